@@ -1,0 +1,1 @@
+"""Model weights: GGUF and safetensors readers, quant types, dequantization, quantizers, writer."""

@@ -1,0 +1,87 @@
+"""`QTensor`: a weight kept in its GGUF block format.
+
+Shapes follow torch order (the reverse of GGUF's `ne`): a linear weight is [out, in], a stacked
+expert weight is [E, out, in]. Quantized rows are stored as raw bytes, `data` of shape
+[*outer, row_bytes] (uint8); float types (F32, F16, BF16) are stored as typed tensors of the
+logical shape. The last logical dimension is always the one blocks run along.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+FLOAT_TYPES = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+def block_shape(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
+    """Bytes that a row of `n` values takes in `qtype` (n must be a multiple of the block)."""
+    block, nbytes = block_shape(qtype)
+    if n % block:
+        raise ValueError(f"row of {n} values is not a multiple of {qtype.name}'s block {block}")
+    return n // block * nbytes
+
+
+@dataclass
+class QTensor:
+    data: torch.Tensor  # uint8 [*outer, row_bytes] for quantized types; typed, logical shape else
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # logical shape, torch order
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(s) for s in self.shape)
+        if self.is_float:
+            if tuple(self.data.shape) != self.shape:
+                raise ValueError(f"float tensor data {tuple(self.data.shape)} != {self.shape}")
+        else:
+            expect = (*self.shape[:-1], row_bytes(self.qtype, self.shape[-1]))
+            if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expect:
+                raise ValueError(
+                    f"{self.qtype.name} data {self.data.dtype} {tuple(self.data.shape)} "
+                    f"!= uint8 {expect}"
+                )
+
+    @property
+    def is_float(self) -> bool:
+        return self.qtype in FLOAT_TYPES
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device | str) -> QTensor:
+        return QTensor(self.data.to(device), self.qtype, self.shape)
+
+    def __getitem__(self, index: int) -> QTensor:
+        """Slice along the first (outer) dimension, e.g. one expert of a stacked [E, out, in]."""
+        if len(self.shape) < 2:
+            raise IndexError("cannot index a 1-D QTensor")
+        return QTensor(self.data[index], self.qtype, self.shape[1:])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference dequantization (torch, vectorized) to `dtype`, logical shape."""
+        from moestream.weights.dequant import dequantize
+
+        return dequantize(self.data, self.qtype, self.shape).to(dtype)
+
+    @classmethod
+    def from_float(cls, t: torch.Tensor) -> QTensor:
+        qtype = {v: k for k, v in FLOAT_TYPES.items()}.get(t.dtype)
+        if qtype is None:
+            raise ValueError(f"no GGML float type for {t.dtype}")
+        return cls(t, qtype, tuple(t.shape))
