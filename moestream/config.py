@@ -277,3 +277,39 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelFormatError(f"{source}: missing field {e.args[0]}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens, sized from a GiB budget."""
+
+    block_size: int = 16
+    kv_cache_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            from moestream.errors import RequestError
+
+            raise RequestError(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+
+
+@dataclass(frozen=True)
+class SchedConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunk size)
+    max_model_len: int | None = None  # None: the model's context length
+
+    def __post_init__(self) -> None:
+        from moestream.errors import RequestError
+
+        if self.max_num_seqs < 1:
+            raise RequestError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise RequestError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise RequestError(f"--max-model-len must be >= 1, got {self.max_model_len}")

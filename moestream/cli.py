@@ -1,0 +1,282 @@
+"""`moestream` command line: serve | generate | chat | convert | info | synth | bench | eval.
+
+Every option also reads an environment variable `MOESTREAM_<OPTION>` (dashes become
+underscores); a flag given on the command line wins. Errors the user can cause print one line
+and exit with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from moestream.errors import MoestreamError
+
+DEMO_MODEL = Path(__file__).parent / "data" / "tiny-qwen3-moe-Q4_K_M.gguf"
+DEMO_DRAFT = Path(__file__).parent / "data" / "tiny-qwen3-draft-Q8_0.gguf"
+
+
+class _EnvDefaults(argparse.ArgumentParser):
+    """An ArgumentParser whose options default to MOESTREAM_* environment variables."""
+
+    def add_argument(self, *names: str, **kwargs):  # type: ignore[override]
+        long = next((n for n in names if n.startswith("--")), None)
+        if long is not None and kwargs.get("action") not in ("help", "version"):
+            env = "MOESTREAM_" + long[2:].upper().replace("-", "_")
+            value = os.environ.get(env)
+            if value is not None:
+                action = kwargs.get("action")
+                if action == "store_true":
+                    kwargs["default"] = value.lower() in ("1", "true", "yes", "on")
+                elif action == "store_false":
+                    kwargs["default"] = value.lower() not in ("1", "true", "yes", "on")
+                else:
+                    conv = kwargs.get("type", str)
+                    kwargs["default"] = conv(value) if callable(conv) else value
+            if "help" in kwargs and kwargs["help"] != argparse.SUPPRESS:
+                kwargs["help"] += f" [env {env}]"
+        return super().add_argument(*names, **kwargs)
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=os.environ.get("MOESTREAM_MODEL", str(DEMO_MODEL)),
+        help="GGUF file or Hugging Face folder (default: the embedded demo model) "
+        "[env MOESTREAM_MODEL]",
+    )
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
+    g.add_argument(
+        "--dtype", default=None, help="activation dtype: float32, bfloat16, float16 (default: "
+        "float32 on CPU, bfloat16 on GPU)"
+    )
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    g.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="KV pool size in GiB (default: 1 on CPU)"
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget per step (chunk)"
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
+    )
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 means greedy")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens under min_p * p(max)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style, 1.0 is off")
+    g.add_argument("--seed", type=int, default=None, help="same seed, same text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _EnvDefaults(
+        prog="moestream",
+        description="Run Mixture-of-Experts language models from GGUF files.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
+
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
+    _model_arg(p)
+    p.add_argument("-p", "--prompt", required=True, help="prompt text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_args(p)
+    _engine_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    _model_arg(p)
+    p.add_argument("--system", default=None, help="system message")
+    _sampling_args(p)
+    _engine_args(p)
+    p.set_defaults(func=_cmd_chat)
+
+    p = sub.add_parser("info", help="architecture, parameters, quant mix and bytes per token")
+    p.add_argument("model", help="GGUF file or Hugging Face folder")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("convert", help="write a GGUF from a Hugging Face folder")
+    p.add_argument("hf_dir", help="Hugging Face folder (config.json, *.safetensors, tokenizer)")
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument(
+        "--quant", default="Q4_K_M", help="mix: Q4_K_M, Q2_K, Q4_0, Q6_K, Q8_0, F16, BF16, F32"
+    )
+    p.add_argument(
+        "--layer-quant",
+        default=None,
+        help="per-layer overrides, e.g. '33-39=Q4_K' or '0=Q8_0,46-47=Q6_K'",
+    )
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("synth", help="write a GGUF of random valid blocks in a real model's shapes")
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument("--like", required=True, help="model shape preset, e.g. qwen3-30b-a3b")
+    p.add_argument("--quant", default="Q4_K_M", help="quant mix")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    p.add_argument("--experts", type=int, default=None, help="experts per layer (MoE)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.set_defaults(func=_cmd_synth)
+
+    from moestream.bench.cli import add_bench_parser
+    from moestream.eval.cli import add_eval_parser
+
+    add_bench_parser(sub, _model_arg, _engine_args)
+    add_eval_parser(sub, _model_arg, _engine_args)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _model_arg(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="model id clients use")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def _sampling_from(args: argparse.Namespace):
+    from moestream.types import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+
+
+def _llm_from(args: argparse.Namespace):
+    from moestream.llm import LLM
+
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _sampling_from(args)
+    llm = _llm_from(args)
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    start = time.perf_counter()
+    n = 0
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        n += len(delta.token_ids)
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    print(f"[{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_from(args)
+    llm = _llm_from(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reply = []
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            reply.append(delta.text)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import json
+
+    from moestream.info import format_info, model_info
+
+    info = model_info(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from moestream.weights.convert import convert
+    from moestream.weights.mixes import parse_layer_quant
+
+    overrides = parse_layer_quant(args.layer_quant) if args.layer_quant else None
+    out = convert(args.hf_dir, args.out, quant=args.quant, layer_quant=overrides)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from moestream.weights.synth import synth_gguf
+
+    out = synth_gguf(
+        args.like, args.quant, args.out, n_layers=args.layers, n_experts=args.experts,
+        seed=args.seed,
+    )
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from moestream.server.app import serve
+
+    return serve(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args) or 0
+    except MoestreamError as e:
+        if args.debug:
+            raise
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
