@@ -132,7 +132,7 @@ class Engine:
             arrival_time=time.monotonic(),
         )
         self.scheduler.add_request(req, eos_token_ids=stop_ids)
-        self._text[request_id] = _TextState(self.tokenizer.stream_decoder(), list(params.stop))
+        self._text[request_id] = _TextState(StreamDecoder(self.tokenizer), list(params.stop))
         return request_id
 
     def abort(self, request_id: str) -> None:
