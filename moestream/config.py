@@ -8,6 +8,7 @@ writes it back out as GGUF metadata.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,16 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
 }
+
+
+def _yarn_attn_factor(rope: dict[str, Any]) -> float:
+    """HF's yarn `attention_factor` is the whole cos/sin scale; llama.cpp's attn_factor multiplies
+    its own 0.1 * ln(factor) + 1. Store llama.cpp's convention."""
+    total = rope.get("attention_factor")
+    factor = float(rope.get("factor", 1.0))
+    if total is None or factor <= 1.0:
+        return 1.0
+    return float(total) / (0.1 * math.log(factor) + 1.0)
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,7 @@ class ModelConfig:
                     ),
                     beta_fast=float(rope.get("beta_fast", 32.0)),
                     beta_slow=float(rope.get("beta_slow", 1.0)),
-                    attn_factor=float(rope.get("attention_factor", 1.0) or 1.0),
+                    attn_factor=_yarn_attn_factor(rope),
                     low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
                     high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                 )
@@ -270,7 +281,9 @@ class ModelConfig:
                 rope_scaling=scaling,
                 context_length=int(cfg.get("max_position_embeddings", 4096)),
                 tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                n_experts=int(cfg.get("num_experts", 0) or 0) if is_moe else 0,
+                n_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+                if is_moe
+                else 0,
                 n_experts_used=int(cfg.get("num_experts_per_tok", 0) or 0) if is_moe else 0,
                 expert_ffn_size=int(cfg.get("moe_intermediate_size", 0) or 0) if is_moe else 0,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if is_moe else True,

@@ -1,0 +1,98 @@
+"""Sparse Mixture-of-Experts FFN (Qwen3-MoE): softmax router, top-k, SiLU-gated experts.
+
+Expert weights are reached only through an `ExpertProvider`, the seam where the expert-tier
+system (GPU slots, host RAM, disk) plugs in; the layer itself never touches a stacked tensor.
+
+Letters: T tokens, H hidden size, F expert FFN size, E experts, k experts used per token.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from moestream.kernels.ops import quant_matmul
+from moestream.layers.mlp import gated_mlp
+from moestream.weights.qtensor import QTensor
+
+
+class ExpertProvider(Protocol):
+    """Where one layer's expert weights come from.
+
+    `weights(e)` returns (gate [F, H], up [F, H], down [H, F]) of expert `e`, in GGUF block
+    format on the compute device; they must stay valid until the layer's forward returns.
+    """
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]: ...
+
+
+class StackedExperts:
+    """All experts of a layer resident, as the stacked [E, out, in] tensors of the file."""
+
+    def __init__(self, gate_exps: QTensor, up_exps: QTensor, down_exps: QTensor):
+        if not (gate_exps.shape[0] == up_exps.shape[0] == down_exps.shape[0]):
+            raise ValueError("gate, up and down stacks hold different expert counts")
+        self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_exps.shape[0]
+
+    def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
+        return self.gate_exps[e], self.up_exps[e], self.down_exps[e]
+
+
+def route(
+    x: torch.Tensor, router: QTensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k] int64.
+
+    Router logits and softmax in float32; the top-k probabilities are renormalised to sum to 1
+    when `norm_topk_prob`. torch.topk breaks ties by the lower index, deterministically.
+    """
+    logits = quant_matmul(x.float(), router)  # [T, E] float32
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoE:
+    """Routed experts of one layer. Reference path: tokens are grouped by expert and only the
+    experts that some token selected are run, in ascending expert order, each token's outputs
+    summed in that order (deterministic; one host sync for the per-expert counts)."""
+
+    def __init__(self, router: QTensor, experts: ExpertProvider, top_k: int, norm_topk_prob: bool):
+        if router.shape[0] != experts.num_experts:
+            raise ValueError(
+                f"router has {router.shape[0]} outputs for {experts.num_experts} experts"
+            )
+        self.router = router  # [E, H]
+        self.experts = experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] in x's dtype."""
+        weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)  # [T, k]
+        flat_ids = ids.flatten()  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
+        token_of = order // self.top_k  # [T*k] token of each grouped assignment
+        weight_of = weights.flatten()[order]  # [T*k]
+        counts = torch.bincount(flat_ids, minlength=self.experts.num_experts).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tokens = token_of[start : start + n]  # [n]
+            gate, up, down = self.experts.weights(e)
+            y = gated_mlp(x[tokens], gate, up, down)  # [n, H]
+            out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
+            start += n
+        return out.to(x.dtype)
