@@ -191,9 +191,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     n = 0
     for delta in llm.stream(prompt, params):
-        sys.stdout.write(delta.text)
+        sys.stdout.write(delta.delta_text)
         sys.stdout.flush()
-        n += len(delta.token_ids)
+        n += len(delta.new_token_ids)
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     print(f"[{n} tokens in {elapsed:.2f} s: {n / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
@@ -218,9 +218,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         reply = []
         for delta in llm.stream(prompt, params):
-            sys.stdout.write(delta.text)
+            sys.stdout.write(delta.delta_text)
             sys.stdout.flush()
-            reply.append(delta.text)
+            reply.append(delta.delta_text)
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
     return 0

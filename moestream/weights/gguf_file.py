@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 from moestream.errors import ModelFormatError, UnsupportedError
 from moestream.weights.qtensor import FLOAT_TYPES, QTensor, row_bytes
@@ -26,7 +27,59 @@ def _field_value(field: Any) -> Any:
             return []
         parts = [field.parts[i] for i in field.data]
         return np.concatenate(parts).tolist()
+    if field.types[0] == GGUFValueType.FLOAT32:
+        # The shortest decimal that is the same float32 (1e-06, not 9.99999997e-07), so a value
+        # written from a config reads back equal to it.
+        return float(str(np.float32(field.contents())))
     return field.contents()
+
+
+class _Truncated(Exception):
+    """Raised inside the reader when a read runs past the end of the file."""
+
+
+class _CheckedReader(GGUFReader):
+    """`GGUFReader` that says what is cut off or unknown instead of failing in numpy.
+
+    Relies on gguf-py's reader internals (`_get`, `_push_field`, `_build_tensors` and the
+    tensor-info field layout), which the pinned gguf range keeps stable.
+    """
+
+    def __init__(self, path: Path, mode: str):
+        self.last_field = "the header"
+        super().__init__(path, mode)  # type: ignore[arg-type]
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        end = int(offset) + int(count) * np.dtype(dtype).itemsize
+        if end > len(self.data):
+            raise _Truncated(
+                f"reading after metadata field {self.last_field} needs byte {end} "
+                f"but the file has {len(self.data)} bytes"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+    def _push_field(self, field: Any, skip_sum: bool = False) -> int:
+        self.last_field = field.name
+        return super()._push_field(field, skip_sum)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+            except ValueError:
+                raise UnsupportedError(
+                    f"tensor {name} has unknown GGML type id {int(raw_dtype[0])}"
+                ) from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims.astype(np.int64))) * type_size // block
+            end = int(start_offs) + int(offset[0]) + n_bytes
+            if end > len(self.data):
+                raise _Truncated(
+                    f"tensor {name} ends at byte {end} but the file has {len(self.data)} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
 
 
 class GGUFFile:
@@ -37,13 +90,29 @@ class GGUFFile:
         if not self.path.is_file():
             raise ModelFormatError(f"{self.path}: no such file")
         with open(self.path, "rb") as f:
-            magic = f.read(4)
+            header = f.read(8)
+        magic = header[:4]
         if magic != b"GGUF":
             raise ModelFormatError(
                 f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')"
             )
+        if len(header) < 8:
+            raise ModelFormatError(f"{self.path}: truncated GGUF (the header has no version)")
+        version = int.from_bytes(header[4:8], "little")
+        if version & 0xFFFF == 0:  # a big-endian file: gguf-py reads it the other way round
+            version = int.from_bytes(header[4:8], "big")
+        if version not in READER_SUPPORTED_VERSIONS:
+            supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+            raise UnsupportedError(
+                f"{self.path}: unsupported GGUF version {version} in the header "
+                f"(supported: {supported})"
+            )
         try:
-            self._reader = GGUFReader(self.path, "c")
+            self._reader = _CheckedReader(self.path, "c")
+        except _Truncated as e:
+            raise ModelFormatError(f"{self.path}: truncated GGUF: {e}") from None
+        except UnsupportedError as e:
+            raise UnsupportedError(f"{self.path}: {e}") from None
         except ValueError as e:
             msg = str(e)
             if "GGMLQuantizationType" in msg:
@@ -60,7 +129,9 @@ class GGUFFile:
             try:
                 self.metadata[name] = _field_value(field)
             except (UnicodeDecodeError, ValueError) as e:
-                raise ModelFormatError(f"{self.path}: unreadable metadata field {name} ({e})") from None
+                raise ModelFormatError(
+                    f"{self.path}: unreadable metadata field {name} ({e})"
+                ) from None
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_extents()
 

@@ -26,6 +26,14 @@ class ModelSource:
     gguf: GGUFFile | None = None
 
     def tokenizer(self):  # -> moestream.tokenizer.Tokenizer
+        """The model's tokenizer; ModelFormatError naming the file when it has none."""
+        if self.format == "gguf":
+            if "tokenizer.ggml.tokens" not in self.metadata:
+                raise ModelFormatError(
+                    f"{self.path}: no tokenizer (metadata field tokenizer.ggml.tokens is missing)"
+                )
+        elif not (self.path / "tokenizer.json").is_file():
+            raise ModelFormatError(f"{self.path}: no tokenizer.json")
         from moestream.tokenizer import Tokenizer
 
         if self.format == "gguf":
