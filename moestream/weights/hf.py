@@ -48,7 +48,7 @@ def load_hf_tensors(path: Path, config: ModelConfig) -> dict[str, QTensor]:
     for file in _safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     target = gguf_name(key)
                     if target is None:
                         continue

@@ -33,7 +33,11 @@ _LAYER = {
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-_EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERT_PROJ = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -65,14 +69,10 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF (rotate-half) rows -> llama.cpp (adjacent pairs) rows, as llama.cpp's convert does for
     llama-family Q/K weights. `n_head` is the head count of that projection."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of `permute_qk` (for comparing with HF implementations)."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
