@@ -144,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--served-model-name", default=None, help="model id clients use")
+    p.add_argument(
+        "--max-concurrency", type=int, default=256, help="most requests in the engine at once"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=1024,
+        help="most requests waiting for a slot; more get 429 with Retry-After",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-request-bytes", type=int, default=16 * 2**20,
+        help="largest request body; larger ones get 413",
+    )  # fmt: skip
+    p.add_argument(
+        "--timeout-graceful-shutdown", type=float, default=30.0,
+        help="seconds in-flight requests may run on after SIGTERM before they are aborted",
+    )  # fmt: skip
     _engine_args(p)
     p.set_defaults(func=_cmd_serve)
     return parser

@@ -1,9 +1,10 @@
 """The engine: add requests, then `step()` = plan, run, commit.
 
 `Engine` is synchronous and single-threaded; the server drives it from one thread through
-`AsyncEngine` (moestream/server). Text is produced here: each request has an incremental
-detokenizer, and stop strings are matched on the text so that they are never split across the
-chunks a client receives.
+`AsyncEngine` (moestream/server). Text is produced here (`engine_text.RequestText`): each
+request has an incremental detokenizer, stop strings are matched on the text and are never
+split across the chunks a client receives, and the text of the EOS or stop token that ended a
+request is left out (as OpenAI servers do).
 """
 
 from __future__ import annotations
@@ -15,33 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from moestream.config import CacheConfig, SchedConfig
+from moestream.engine_text import RequestText
 from moestream.errors import CapacityError, RequestError
 from moestream.models.base import CausalLM
-from moestream.runner.model_runner import ModelRunner, TokenLogprobs
+from moestream.runner.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from moestream.sched.scheduler import Scheduler
-from moestream.tokenizer import StreamDecoder, Tokenizer
-from moestream.types import Request, RequestOutput, SamplingParams, StepPlan
-
-
-@dataclass
-class _TextState:
-    decoder: StreamDecoder
-    stop: list[str]
-    text: str = ""  # decoded text, stop string and what follows it removed
-    emitted: int = 0  # characters of `text` already handed out
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of a stop string: those
-    characters may still become a stop string and must not be streamed yet."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
+from moestream.tokenizer import Tokenizer
+from moestream.types import Request, RequestOutput, RequestStatus, SamplingParams, StepPlan
 
 
 @dataclass
@@ -50,6 +31,14 @@ class EngineOutput(RequestOutput):
 
 
 class Engine:
+    """Continuous batching over one model and one paged KV pool.
+
+    `add_request` queues a prompt (RequestError / CapacityError at once if it can never run);
+    each `step` runs one forward pass over what the scheduler planned and returns an
+    `EngineOutput` for every request that got new tokens; `abort` ends a request at any time.
+    Every KV block a request holds returns to the pool when it finishes or is aborted.
+    """
+
     def __init__(
         self,
         model: CausalLM,
@@ -80,7 +69,7 @@ class Engine:
             enable_prefix_caching=cache.enable_prefix_caching,
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
 
     def _num_blocks(self, cache: CacheConfig, kv_dtype: torch.dtype) -> int:
@@ -114,6 +103,9 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        """Queue a request; returns its id. Raises RequestError for an empty prompt, a token id
+        outside the vocabulary or a prompt + max_tokens over the context length, CapacityError
+        when it could never fit in the whole KV pool."""
         params = params or SamplingParams()
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
@@ -132,10 +124,11 @@ class Engine:
             arrival_time=time.monotonic(),
         )
         self.scheduler.add_request(req, eos_token_ids=stop_ids)
-        self._text[request_id] = _TextState(StreamDecoder(self.tokenizer), list(params.stop))
+        self._text[request_id] = RequestText(self.tokenizer, params.stop)
         return request_id
 
     def abort(self, request_id: str) -> None:
+        """End a request now (waiting, running or unknown), freeing its KV blocks."""
         self.scheduler.abort(request_id)
         self._text.pop(request_id, None)
 
@@ -144,71 +137,71 @@ class Engine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """Plan, run, commit: one forward pass. Outputs for requests that got tokens."""
         plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler planned an empty step with requests unfinished")
         result = self.runner.execute(plan)
-        return self._commit(plan, result.sampled, result.logprobs)
+        return self._commit(plan, result)
 
-    def _commit(
-        self,
-        plan: StepPlan,
-        sampled: dict[str, list[int]],
-        logprobs: dict[str, list[TokenLogprobs]],
-    ) -> list[EngineOutput]:
-        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled)}
-        outputs = []
+    def _commit(self, plan: StepPlan, result: RunnerOutput) -> list[EngineOutput]:
+        """Hand the sampled tokens to the scheduler, then turn what it kept into text.
+
+        New tokens are read from each request's `output_token_ids` after `update`, not from the
+        raw samples: the scheduler may cut them at a stop token or max_tokens (drafts)."""
+        for rid in plan.finished_ids:
+            self._text.pop(rid, None)
+        sampled: list[tuple[Request, int]] = []
         for s in plan.scheduled:
-            new = sampled.get(s.request_id)
-            if not new:
+            req = self.scheduler.get(s.request_id)
+            if s.sample and req is not None:
+                sampled.append((req, req.num_output_tokens))
+        self.scheduler.update(plan, result.sampled)
+        outputs = []
+        for req, num_before in sampled:
+            new = req.output_token_ids[num_before:]
+            state = self._text.get(req.request_id)
+            if not new or state is None:
                 continue
-            req = self.scheduler.get(s.request_id) or finished.get(s.request_id)
-            state = self._text[s.request_id]
-            for t in new:
-                state.text += state.decoder.feed(t)
-            if s.request_id in logprobs:
-                state.logprobs = logprobs[s.request_id]
-            stop_hit = self._match_stop(state)
-            if stop_hit is not None and not req.is_finished:
-                self.scheduler.finish(s.request_id, "stop", stop_reason=stop_hit)
-            outputs.append(self._output(req, state, new))
-        for rid in list(self._text):
-            req = self.scheduler.get(rid)
-            if req is None or req.is_finished:
-                self._text.pop(rid, None)
+            # The EOS / stop token that ended the request is kept in the ids, not in the text.
+            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+            kept, stop = state.add_tokens(new, drop_last=stopped_by_token)
+            if stop is not None:
+                del req.output_token_ids[num_before + kept :]
+                new = new[:kept]
+                self._finish_for_stop_string(req, stop)
+            if req.is_finished:
+                state.finish()
+            lps = result.logprobs.get(req.request_id, [])[: len(new)]
+            outputs.append(self._output(req, state, new, lps))
+            if req.is_finished:
+                self._text.pop(req.request_id, None)
         return outputs
 
-    @staticmethod
-    def _match_stop(state: _TextState) -> str | None:
-        if not state.stop:
-            return None
-        window = max(len(s) for s in state.stop) + 16
-        start = max(0, state.emitted - window)
-        best = None
-        for s in state.stop:
-            i = state.text.find(s, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        state.text = state.text[: best[0]]
-        return best[1]
-
-    def _output(self, req: Request, state: _TextState, new: list[int]) -> EngineOutput:
-        if req.is_finished:
-            visible = len(state.text)
+    def _finish_for_stop_string(self, req: Request, stop: str) -> None:
+        if not req.is_finished:
+            self.scheduler.finish(req.request_id, "stop", stop_reason=stop)
         else:
-            visible = len(state.text) - _held_back(state.text, state.stop)
-        delta = state.text[state.emitted : visible] if visible > state.emitted else ""
-        state.emitted = max(state.emitted, visible)
+            # Finished by length or a token in this very step, after the stop string: the
+            # scheduler has let go of the request; report the stop string as the reason.
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = stop
+
+    @staticmethod
+    def _output(
+        req: Request, state: RequestText, new: list[int], lps: list[TokenLogprobs]
+    ) -> EngineOutput:
+        delta = state.take_delta()
         return EngineOutput(
             request_id=req.request_id,
             new_token_ids=list(new),
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            text=state.text[: state.emitted],
+            text=state.emitted_text,
             delta_text=delta,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=req.num_output_tokens,
-            logprobs=list(state.logprobs),
+            num_output_tokens=len(req.output_token_ids),
+            logprobs=list(lps),
         )

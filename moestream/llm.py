@@ -101,7 +101,10 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Generate for every prompt (text or token ids), batched; outputs in prompt order."""
+        """Generate for every prompt (text or token ids); outputs in prompt order.
+
+        All prompts are queued at once and run through the engine together (continuous
+        batching, chunked prefill, shared prefix cache), not one after another."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -113,39 +116,54 @@ class LLM:
                 raise RequestError("one SamplingParams per prompt, or one for all")
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
-        ids = []
-        for p, sp in zip(prompts, params):
-            ids.append(self.engine.add_request(self._encode(p), sp))
-        results: dict[str, EngineOutput] = {}
+        encoded = [self._encode(p) for p in prompts]
+        ids: list[str] = []
+        try:
+            for e, sp in zip(encoded, params):
+                ids.append(self.engine.add_request(e, sp))
+            results = self._run_to_completion(ids)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return [
+            CompletionOutput(
+                request_id=rid,
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=e,
+                text=results[rid][0].text,
+                token_ids=results[rid][1],
+                finish_reason=results[rid][0].finish_reason,
+                num_cached_tokens=results[rid][0].num_cached_tokens,
+                logprobs=results[rid][2],
+            )
+            for rid, p, e in zip(ids, prompts, encoded)
+        ]
+
+    def _run_to_completion(
+        self, ids: list[str]
+    ) -> dict[str, tuple[EngineOutput, list[int], list[TokenLogprobs]]]:
+        """Step the engine until every request of `ids` has finished: (last output, all token
+        ids, all logprobs) per request."""
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}
-        while self.engine.has_unfinished():
+        last: dict[str, EngineOutput] = {}
+        while len(last) < len(ids):
             for out in self.engine.step():
+                if out.request_id not in tokens:
+                    continue  # another caller's request sharing the engine
                 tokens[out.request_id].extend(out.new_token_ids)
                 logprobs[out.request_id].extend(out.logprobs)
                 if out.finished:
-                    results[out.request_id] = out
-        outputs = []
-        for rid, p in zip(ids, prompts):
-            out = results[rid]
-            outputs.append(
-                CompletionOutput(
-                    request_id=rid,
-                    prompt=p if isinstance(p, str) else None,
-                    prompt_token_ids=self._encode(p),
-                    text=out.text,
-                    token_ids=tokens[rid],
-                    finish_reason=out.finish_reason,
-                    num_cached_tokens=out.num_cached_tokens,
-                    logprobs=logprobs[rid],
-                )
-            )
-        return outputs
+                    last[out.request_id] = out
+        return {rid: (last[rid], tokens[rid], logprobs[rid]) for rid in ids}
 
     def stream(
         self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
     ) -> Iterator[EngineOutput]:
-        """Generate for one prompt, yielding each step's new tokens and text."""
+        """Generate for one prompt, yielding an `EngineOutput` per step that produced tokens:
+        `new_token_ids`, `delta_text` (never a partial stop string), `text` so far, and
+        `finished` on the last one. Closing the generator early aborts the request."""
         rid = self.engine.add_request(self._encode(prompt), sampling_params or SamplingParams())
         try:
             done = False

@@ -1,11 +1,30 @@
 """Operator entry points used by `layers/`. Each picks the Triton kernel on a CUDA device when one
-exists for the case, and the torch reference (same signature) otherwise."""
+exists for the case, and the torch reference (same signature) otherwise.
+
+Triton is imported lazily, only on the kernel path: this module imports and works (through the
+references) on machines without triton or without CUDA.
+
+Kernel path: a CUDA activation of float32/bfloat16/float16, triton installed, and weights of a
+type in KERNEL_QTYPES whose rows (K) are a multiple of 256 values. Float weights (F32, F16, BF16)
+and other block types take the reference, which for float weights is a plain cuBLAS matmul.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from moestream.weights.qtensor import QTensor
+
+_Q = GGMLQuantizationType
+KERNEL_QTYPES = frozenset({_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+KERNEL_GROUP = 256  # the kernels walk rows in runs of 256 values
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+GEMV_MAX_M = 8  # activation rows up to which the decode GEMV beats the tiled GEMM
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -13,9 +32,115 @@ def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return x @ w.dequantize(x.dtype).t()
 
 
+def _kernel_weight(w: QTensor) -> bool:
+    return (
+        w.qtype in KERNEL_QTYPES
+        and w.shape[-1] % KERNEL_GROUP == 0
+        and w.data.stride(-1) == 1
+        and w.data.is_cuda
+    )
+
+
+def _use_kernels(x: torch.Tensor, *weights: QTensor) -> bool:
+    return (
+        HAS_TRITON
+        and x.is_cuda
+        and x.dtype in KERNEL_DTYPES
+        and all(_kernel_weight(w) and w.device == x.device for w in weights)
+    )
+
+
 def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T for a weight W [N, K] kept in its GGUF block format."""
-    return quant_matmul_ref(x, w)
+    """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
+
+    On the kernel path, up to GEMV_MAX_M rows go to the decode GEMV, more to the tiled GEMM.
+    """
+    if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
+        return quant_matmul_ref(x, w)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] <= GEMV_MAX_M:
+        from moestream.kernels.quant_gemv import quant_gemv
+
+        y = quant_gemv(x2, w)
+    else:
+        from moestream.kernels.quant_gemm import quant_gemm
+
+        y = quant_gemm(x2, w)
+    return y.reshape(*lead, w.shape[0])  # [..., N]
+
+
+def moe_forward_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """Reference MoE FFN: x [T, H], topk_ids [T, k] int, topk_weights [T, k] float, gate and up
+    QTensor [S, F, H], down [S, H, F], expert_slot [E] int (expert id -> slot in [0, S)) ->
+    [T, H] in x's dtype.
+
+    out[t] = sum_j topk_weights[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]) with
+    s = expert_slot[topk_ids[t, j]]. Experts run in ascending id order on their grouped tokens
+    (matmuls in x's dtype, as `layers.mlp.gated_mlp`), the weighted sum in float32. One host
+    sync (the per-expert counts); raises ValueError when a selected expert has no valid slot.
+    """
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+    weight_of = topk_weights.reshape(-1)[order].float()  # [T*k]
+    counts = torch.bincount(flat, minlength=expert_slot.shape[0]).tolist()
+    slots = expert_slot.tolist()
+    out = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)  # [T, H]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        s = slots[e]
+        if not 0 <= s < gate.shape[0]:
+            raise ValueError(f"expert {e} is routed to but has slot {s} (of {gate.shape[0]})")
+        tokens = order[start : start + n] // k  # [n]
+        xs = x[tokens]  # [n, H]
+        h = F.silu(quant_matmul_ref(xs, gate[s])) * quant_matmul_ref(xs, up[s])  # [n, F]
+        y = quant_matmul_ref(h, down[s])  # [n, H]
+        out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """The routed-expert FFN of one MoE layer; contract of `moe_forward_ref`.
+
+    On the kernel path (`kernels.moe.fused_moe`) no host sync happens and every selected
+    expert's slot must be valid (not checked on the device). topk_ids [T, k] int32/int64 and
+    topk_weights [T, k] float are made contiguous, expert_slot int32, if they are not already.
+    """
+    if not (_use_kernels(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
+        return moe_forward_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+    from moestream.kernels.moe import fused_moe
+
+    return fused_moe(
+        x if x.stride(-1) == 1 else x.contiguous(),
+        topk_ids.contiguous(),
+        topk_weights.contiguous(),
+        gate,
+        up,
+        down,
+        expert_slot.to(torch.int32).contiguous(),
+    )
 
 
 def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -29,4 +154,5 @@ def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:
 
 
 def embedding(ids: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """Rows `ids` [T] of a [V, H] table -> [T, H] float32 (reference on every device)."""
     return embedding_ref(ids, w)

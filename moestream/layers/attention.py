@@ -111,11 +111,13 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     """Reference attention: q [T, n, D] against each sequence's cached context -> [T, n, D].
 
-    Per sequence, in float32: gather K/V through the block table, softmax(q k^T * scale) under
-    the causal mask, times V. Each sequence is computed on its own, so its result does not
-    depend on what else is in the batch.
+    In float32: gather a sequence's K/V through its block table, then for each query at
+    position p: softmax(q k[0..p]^T * scale) v[0..p]. Every query is computed on its own, over
+    exactly its p + 1 visible keys (no mask), so its result is the same bits whether it comes
+    alone (decode), in a prefill chunk of any size, or next to other sequences: the shapes and
+    values of every op depend only on p and the K/V of positions 0..p.
     """
-    n_heads, n_kv = q.shape[1], k_cache.shape[2]
+    n_heads, n_kv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     n_rep = n_heads // n_kv
     out = torch.empty_like(q)
     row = 0
@@ -124,16 +126,15 @@ def paged_attention_ref(
         table = attn.block_tables[b, :n_blocks]  # [nb]
         k = k_cache[table].flatten(0, 1)[:ctx].float()  # [L, g, D]
         v = v_cache[table].flatten(0, 1)[:ctx].float()
-        k = k.repeat_interleave(n_rep, dim=1).transpose(0, 1)  # [n, L, D]
-        v = v.repeat_interleave(n_rep, dim=1).transpose(0, 1)
-        qb = q[row : row + n_new].float().transpose(0, 1)  # [n, Tb, D]
-        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [n, Tb, L]
-        q_pos = torch.arange(ctx - n_new, ctx, device=q.device)  # [Tb]
-        k_pos = torch.arange(ctx, device=q.device)  # [L]
-        visible = k_pos[None, :] <= q_pos[:, None]  # [Tb, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[row : row + n_new] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        k_t = k.permute(1, 2, 0)  # [g, D, L]
+        v_h = v.transpose(0, 1)  # [g, L, D]
+        for i in range(n_new):
+            visible = ctx - n_new + i + 1  # positions 0..p
+            qi = q[row + i].float().reshape(n_kv, n_rep, d)  # [g, r, D]: head h -> KV h // r
+            scores = torch.matmul(qi, k_t[:, :, :visible]) * scale  # [g, r, p+1]
+            probs = torch.softmax(scores, dim=-1)
+            o = torch.matmul(probs, v_h[:, :visible])  # [g, r, D]
+            out[row + i] = o.reshape(n_heads, d).to(q.dtype)
         row += n_new
     return out
 

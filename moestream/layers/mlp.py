@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from moestream.kernels.ops import quant_matmul
+from moestream.layers.linear import linear
 from moestream.weights.qtensor import QTensor
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), written as x / (1 + exp(-x)).
+
+    Not `F.silu`: on the CPU, ATen's silu takes a scalar path for the tail of a tensor (and at
+    the edges of each thread's chunk) whose results differ from its vector path in the last bit,
+    so an element's value would depend on where it sits in the batch. Each op here is either
+    exactly rounded or (exp) gives the same bits on both paths.
+    """
+    return x / (1 + torch.exp(-x))
 
 
 def gated_mlp(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
     """x [M, H]; gate, up [F, H]; down [H, F] -> [M, H] in x's dtype."""
-    h = F.silu(quant_matmul(x, gate)) * quant_matmul(x, up)  # [M, F]
-    return quant_matmul(h, down)
+    h = silu(linear(x, gate)) * linear(x, up)  # [M, F]
+    return linear(h, down)
 
 
 class GatedMLP:

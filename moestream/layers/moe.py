@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from moestream.kernels.ops import quant_matmul
+from moestream.layers.linear import linear
 from moestream.layers.mlp import gated_mlp
 from moestream.weights.qtensor import QTensor
 
@@ -37,13 +37,17 @@ class StackedExperts:
         if not (gate_exps.shape[0] == up_exps.shape[0] == down_exps.shape[0]):
             raise ValueError("gate, up and down stacks hold different expert counts")
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
+        # Per-expert views, made once (slicing a QTensor validates it: not free per call).
+        self._views = [
+            (gate_exps[e], up_exps[e], down_exps[e]) for e in range(gate_exps.shape[0])
+        ]
 
     @property
     def num_experts(self) -> int:
         return self.gate_exps.shape[0]
 
     def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
-        return self.gate_exps[e], self.up_exps[e], self.down_exps[e]
+        return self._views[e]
 
 
 def route(
@@ -54,7 +58,7 @@ def route(
     Router logits and softmax in float32; the top-k probabilities are renormalised to sum to 1
     when `norm_topk_prob`. torch.topk breaks ties by the lower index, deterministically.
     """
-    logits = quant_matmul(x.float(), router)  # [T, E] float32
+    logits = linear(x.float(), router)  # [T, E] float32
     probs = torch.softmax(logits, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
     if norm_topk_prob:

@@ -6,7 +6,8 @@ what the FFN of a layer is. Per-step inputs (positions, attention metadata, KV c
 arguments, never state, so several models can run in one process.
 
 Weights stay QTensors in their GGUF block format, moved to the device once at build; every
-matmul goes through `kernels.ops`. Activations are in `dtype`; norms, RoPE, attention
+matmul goes through `layers.linear.linear` (batch-invariant on the CPU, `kernels.ops` on a
+GPU). Activations are in `dtype`; norms, RoPE, attention
 softmax and routing compute in float32.
 """
 
@@ -19,9 +20,9 @@ import torch
 from moestream.cache.kv_cache import PagedKVCache
 from moestream.config import ModelConfig
 from moestream.errors import ModelFormatError
-from moestream.kernels.ops import embedding, quant_matmul
+from moestream.kernels.ops import embedding
 from moestream.layers.attention import Attention, AttentionMetadata
-from moestream.layers.linear import Linear
+from moestream.layers.linear import Linear, linear
 from moestream.layers.norm import RMSNorm, vector_weight
 from moestream.layers.rope import RotaryEmbedding
 from moestream.weights.qtensor import QTensor
@@ -140,7 +141,7 @@ class CausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
-        return quant_matmul(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def make_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None

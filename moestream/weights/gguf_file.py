@@ -63,7 +63,8 @@ class _Cursor:
     def need(self, n: int) -> None:
         if self.pos + n > len(self.buf):
             raise _Truncated(
-                f"reading {self.what} needs byte {self.pos + n} but the file has {len(self.buf)} bytes"
+                f"reading {self.what} needs byte {self.pos + n} "
+                f"but the file has {len(self.buf)} bytes"
             )
 
     def unpack(self, fmt: str) -> Any:
