@@ -24,11 +24,17 @@ KERNEL_QTYPES = frozenset({_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
 KERNEL_GROUP = 256  # the kernels walk rows in runs of 256 values
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-GEMV_MAX_M = 8  # activation rows up to which the decode GEMV beats the tiled GEMM
+# Activation rows up to which the decode GEMV runs; more go to the tiled GEMM. The GEMV takes
+# up to 8 rows, but from 2 rows its per-row FMAs cost ~3x the instructions of the GEMM's
+# tensor-core path (SASS counts for sm_90); bench/kernels_gpu.py times both.
+GEMV_MAX_M = 1
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """Reference: x [M, K] @ dequant(w [N, K]).T -> [M, N] in x's dtype."""
+    """Reference: x [M, K] @ dequant(w [N, K]).T -> [M, N] in x's dtype. Float weights (typed
+    tensors) are used as they are, cast only when x's dtype differs."""
+    if w.is_float:
+        return x @ w.data.to(x.dtype).t()
     return x @ w.dequantize(x.dtype).t()
 
 

@@ -1,0 +1,313 @@
+"""Check and time the Triton quantized kernels at real model shapes on a CUDA device.
+
+Usage (repository root, on a machine with a CUDA GPU and triton):
+    python bench/kernels_gpu.py [--only gemv,gemm,moe] [--quick] [--sweep]
+
+For every case it makes fresh random weights (random GGUF blocks with small float16 scales,
+generated on the device) and activations, runs the kernel once into a NaN-filled output and
+compares it with the float32 torch reference (max |y - ref| / max |ref|; FAIL above 2e-2 for
+bfloat16 activations, 1e-4 for float32).
+
+Timing: the kernel is launched on C copies of its weights in turn (C chosen so that they span
+twice the L2 cache: every launch reads cold weights, as a decode step does layer after layer),
+the C launches are captured in one CUDA graph (as the engine runs decode: no host launch
+overhead) and the graph is replayed; "us" is the median replay time / C. GB/s counts the bytes
+that must move: the weight bytes read (for MoE: of the distinct experts the routing selects),
+activations read and the output written. "% copy" divides by the device-to-device copy
+bandwidth measured first (bytes read + written by `Tensor.copy_` of 1 GiB), the figure
+/work/shared/ANCHORS.md uses. Exits with status 1 when a check fails.
+
+--sweep times the decode GEMV (M=1) over a grid of launch configurations and prints the best
+ones per shape beside the heuristic's choice, for tuning `quant_gemv.gemv_config`.
+
+Shapes: Qwen3-30B-A3B (hidden 2048, 32/4 heads of 128, 128 experts top-8, expert FFN 768,
+vocab 151936) and Qwen3-8B (hidden 4096, FFN 12288), weights in the Q4_K_M mix (Q4_K, Q6_K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
+
+from moestream.kernels import ops  # noqa: E402
+from moestream.weights.qtensor import QTensor, row_bytes  # noqa: E402
+
+T = GGMLQuantizationType
+# Byte offsets of the float16 scales (d, dmin) in each block; every other byte is random.
+F16_FIELDS = {
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.Q8_0: (0,),
+    T.Q2_K: (80, 82),
+    T.Q3_K: (108,),
+}
+E, TOPK, HIDDEN, FFN = 128, 8, 2048, 768  # Qwen3-30B-A3B MoE layer
+
+
+def random_qtensor(qtype: GGMLQuantizationType, shape: tuple[int, ...], gen) -> QTensor:
+    """Random blocks on the GPU; scales chosen so the values are O(0.01..0.1)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n_blocks = math.prod(shape) // block
+    data = torch.randint(0, 256, (n_blocks, size), dtype=torch.uint8, device="cuda", generator=gen)
+    scale = 2.0**-10 if qtype != T.Q8_0 else 2.0**-9
+    for off in F16_FIELDS[qtype]:
+        mag = torch.rand(n_blocks, device="cuda", generator=gen) * scale + scale / 2
+        data[:, off : off + 2] = mag.half().view(torch.uint8).view(n_blocks, 2)
+    row_bytes = shape[-1] // block * size
+    return QTensor(data.view(*shape[:-1], row_bytes), qtype, shape)
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    qtype: str
+    dtype: str
+    err: float
+    us: float
+    nbytes: int
+    flops: int
+
+    @property
+    def ok(self) -> bool:
+        return self.err < (1e-4 if self.dtype == "float32" else 2e-2)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device-to-device copy, bytes read + written."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() / ms / 1e6
+
+
+def copies_for(nbytes: int) -> int:
+    """Weight copies that together span twice the L2 cache (at least 2, at most 256)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, min(256, math.ceil(2 * l2 / max(nbytes, 1))))
+
+
+def graph_time_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
+    """Median time of one call, from replays of a CUDA graph that runs all `calls` in turn."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile and warm up outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(times)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def matmul_fn(kind: str):
+    from moestream.kernels.quant_gemm import quant_gemm
+    from moestream.kernels.quant_gemv import quant_gemv
+
+    return quant_gemv if kind == "gemv" else quant_gemm
+
+
+def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
+    fn = matmul_fn(kind)
+    kw = {"config": config} if config is not None else {}
+    w = random_qtensor(qtype, (n, k), gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    fn(x, w, out=out, **kw)
+    err = rel_err(out, x.float() @ w.dequantize(torch.float32).t())
+    more = [QTensor(w.data.clone(), qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)]
+    weights = [w, *more]
+    us = graph_time_us([lambda w=w_: fn(x, w, out=out, **kw) for w_ in weights])
+    nbytes = w.nbytes + x.numel() * x.element_size() + out.numel() * out.element_size()
+    shape = f"M={m} N={n} K={k}"
+    return Row(kind, shape, qtype.name, str(dtype)[6:], err, us, nbytes, 2 * m * n * k)
+
+
+def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
+    """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
+    timed call routes with its own random top-8 and its own expert_slot table (expert e ->
+    slot e + 128 c), so consecutive calls read different, cold experts."""
+    from moestream.kernels.moe import GEMV_MAX_ASSIGNMENTS, fused_moe
+
+    qg, qd = qtypes
+    per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)  # gate, up, down
+    used_per_call = min(E, t * TOPK) * per_expert
+    c = min(copies_for(used_per_call), max(1, (24 << 30) // (E * per_expert)))
+    gate = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    up = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    down = random_qtensor(qd, (c * E, HIDDEN, FFN), gen)
+    x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(dtype)
+    calls, used = [], []
+    for i in range(c):
+        logits = torch.randn(t, E, device="cuda", generator=gen)
+        weights, ids = torch.topk(torch.softmax(logits, -1), TOPK, dim=-1)  # [T, k]
+        weights = weights / weights.sum(-1, keepdim=True)
+        slot = torch.arange(E, dtype=torch.int32, device="cuda") + i * E
+        out = torch.full((t, HIDDEN), float("nan"), dtype=dtype, device="cuda")
+        calls.append((ids, weights, slot, out))
+        used.append(torch.unique(ids).numel())
+    ids, weights, slot, out = calls[0]
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method)
+    err = rel_err(out, ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot))
+    us = graph_time_us(
+        [
+            lambda a=a: fused_moe(x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method)
+            for a in calls
+        ]
+    )
+    mean_used = sum(used) / len(used)
+    nbytes = int(mean_used * per_expert) + 2 * x.numel() * x.element_size()
+    path = method or ("gemv" if t * TOPK <= GEMV_MAX_ASSIGNMENTS else "gemm")
+    shape = f"T={t} E={E} k={TOPK} H={HIDDEN} F={FFN} ({mean_used:.0f} used)"
+    flops = 2 * 3 * t * TOPK * HIDDEN * FFN
+    qtype_names = f"{qg.name}/{qd.name}"
+    return Row(f"moe-{path}", shape, qtype_names, str(dtype)[6:], err, us, nbytes, flops)
+
+
+def cases(only: set[str], quick: bool):
+    """(bench function, arguments) of each case; `quick` keeps a few per kernel."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    # Qwen3-30B-A3B attention q, k, o; Qwen3-8B FFN up and down; the output head (Q6_K)
+    decode = [(4096, 2048, T.Q4_K), (512, 2048, T.Q4_K), (2048, 4096, T.Q4_K)]
+    decode += [(12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K), (151936, 2048, T.Q6_K)]
+    prefill = [(4096, 2048, T.Q4_K), (12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K)]
+    other_types = () if quick else (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K)
+    if "gemv" in only:
+        for n, k, qtype in decode[:1] if quick else decode:
+            yield bench_matmul, ("gemv", 1, n, k, qtype, bf16)
+        for qtype in other_types:
+            yield bench_matmul, ("gemv", 1, 12288, 4096, qtype, bf16)
+        for m in () if quick else (4, 8):  # the GEMV's own multi-row path, for comparison
+            yield bench_matmul, ("gemv", m, 12288, 4096, T.Q4_K, bf16)
+        yield bench_matmul, ("gemv", 1, 4096, 4096, T.Q4_K, f32)
+    if "gemm" in only:
+        for m in () if quick else (4, 8, 16):  # batched decode: what ops sends here from M=2
+            for n, k, qtype in (decode[0], decode[3], decode[5]):
+                yield bench_matmul, ("gemm", m, n, k, qtype, bf16)
+        for m in (512,) if quick else (64, 512, 4096):
+            for n, k, qtype in prefill:
+                yield bench_matmul, ("gemm", m, n, k, qtype, bf16)
+        for qtype in other_types:
+            yield bench_matmul, ("gemm", 512, 12288, 4096, qtype, bf16)
+        yield bench_matmul, ("gemm", 64, 4096, 4096, T.Q4_K, f32)
+    if "moe" in only:
+        mix = (T.Q4_K, T.Q6_K)
+        for t in (1, 8) if quick else (1, 4, 8, 16, 32, 512, 4096):
+            yield bench_moe, (t, mix, bf16)
+        if not quick:
+            yield bench_moe, (1, (T.Q4_K, T.Q4_K), bf16)
+            yield bench_moe, (8, mix, bf16, "gemm")  # the other path at the crossover
+            yield bench_moe, (16, mix, bf16, "gemv")
+
+
+def print_row(r: Row, copy_gbs: float) -> None:
+    gbs = r.nbytes / r.us / 1e3
+    flag = "" if r.ok else " FAIL"
+    cells = (r.kernel, r.shape, r.qtype, r.dtype, f"{r.err:.2e}{flag}", f"{r.us:,.1f}")
+    cells += (f"{gbs:,.0f}", f"{100 * gbs / copy_gbs:.0f}%", f"{r.flops / r.us / 1e6:.1f}")
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def sweep(gen, copy_gbs: float) -> None:
+    """Decode GEMV (M=1) over launch configurations; the 5 fastest per shape and the default."""
+    from moestream.kernels.quant_gemv import GemvConfig, gemv_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(4096, 2048, T.Q4_K), (512, 2048, T.Q4_K), (12288, 4096, T.Q4_K)]
+    shapes += [(151936, 2048, T.Q6_K)]
+    for n, k, qtype in shapes:
+        groups = k // 256
+        results = []
+        default = gemv_config(1, n, k, sms)
+        grid = itertools.product((4, 8, 16, 32), (1, 2, 4), (1, 2), (4, 8))
+        for block_n, split_k, unroll, warps in grid:
+            if groups % split_k or (groups // split_k) % unroll:
+                continue
+            cfg = GemvConfig(block_n, split_k, unroll, warps)
+            try:
+                r = bench_matmul("gemv", 1, n, k, qtype, torch.bfloat16, gen=gen, config=cfg)
+            except Exception as exc:  # a config the compiler rejects: report, go on
+                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            results.append((r.us, cfg, r))
+        results.sort(key=lambda item: item[0])
+        print(f"\nGEMV M=1 N={n} K={k} {qtype.name}: {len(results)} configs")
+        for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
+            gbs = r.nbytes / us / 1e3
+            mark = " (default)" if cfg == default else ""
+            print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="gemv,gemm,moe", help="comma list of gemv, gemm, moe")
+    parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
+    parser.add_argument("--sweep", action="store_true", help="tune the decode GEMV config")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not ops.HAS_TRITON:
+        print("needs a CUDA device and triton", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 references in full precision
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)  # fresh each run
+    copy_gbs = copy_bandwidth()
+    props = torch.cuda.get_device_properties(0)
+    l2_mib = props.L2_cache_size >> 20
+    print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_mib} MiB")
+    print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
+    if args.sweep:
+        sweep(gen, copy_gbs)
+        return 0
+    header = ("kernel", "shape", "qtype", "dtype", "max rel err", "us", "GB/s", "% copy", "TFLOP/s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    failed = total = 0
+    for fn, fargs in cases(set(args.only.split(",")), args.quick):
+        total += 1
+        try:
+            row = fn(*fargs, gen=gen)
+        except Exception as exc:  # report and go on: one broken case must not hide the rest
+            failed += 1
+            print(f"| {fn.__name__} {fargs} | FAILED {type(exc).__name__}: {exc} |", flush=True)
+            continue
+        failed += not row.ok
+        print_row(row, copy_gbs)
+        torch.cuda.empty_cache()
+    print(f"\n{total - failed}/{total} cases passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

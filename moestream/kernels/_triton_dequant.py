@@ -1,0 +1,293 @@
+"""Triton helpers that unpack GGUF blocks inside a kernel: one 256-value group of BN rows at a time.
+
+Imported only where triton is available (by the kernel modules, which `ops` imports lazily).
+
+Contract shared by every kernel: a weight row is a run of GGUF blocks; `unpack_superblock(rows,
+sb, magic, QTYPE)` reads group `sb` (super-block `sb` for K-quants, blocks 8sb..8sb+7 for Q8_0)
+of each row as two "planes" [BN, NG, G] of exact integer quants in float32, with the scale s and
+min m [BN, NG, 1] of each run of G (values = q * s - m; `dequant_superblock` applies them). Each
+byte is loaded once and its two fields feed the two planes. A plane is in a permuted k order;
+`plane_k_offsets(p, QTYPE)` [NG, G] gives the k offset (within the 256) of each element, so a
+kernel loads activations with the same offsets (contiguous runs of G) and either multiplies
+elementwise (GEMV) or reshapes both to [., 128] for `tl.dot` (GEMM): a permutation of k applied
+to both operands leaves the dot product unchanged.
+
+Integer to float: a field u < 2^23 OR-ed into the bits of 2^23 (`magic` = 0x4B000000) is the
+float 2^23 + u, so u = that - 2^23, exactly; a field left at bit 4 gives 2^23 + 16u, and
+(v * 1/16 - 2^19) recovers u in one FMA, saving the shift. This costs full-rate ops where an
+int-to-float conversion runs at a quarter rate. `magic` is a kernel argument (a register, not an
+immediate) so that mask-and-OR compiles to a single LOP3.
+
+Values are computed with gguf's float32 operations in its order (`moestream.weights.dequant_k`
+documents the layouts): s = d * sc, then q * s (- dmin * m). The GPU compiler may contract a
+multiply and a subtract into one FMA, so results can differ from the reference by an ulp.
+
+Rows are given as uint8 pointers [BN] to their first byte; callers clamp out-of-range rows to a
+valid one (no masks here) and mask the store instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from moestream.weights.qtensor import QTensor
+
+# GGML type ids (constexpr so @jit code can compare against them).
+Q8_0 = tl.constexpr(8)
+Q2_K = tl.constexpr(10)
+Q3_K = tl.constexpr(11)
+Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
+Q6_K = tl.constexpr(14)
+
+GROUP = 256  # values per `unpack_superblock` call
+MAGIC = 0x4B000000  # float32 bits of 2^23: pass as the `magic` kernel argument
+# Bytes of a 256-value group, per supported type.
+GROUP_BYTES: dict[GGMLQuantizationType, int] = {
+    GGMLQuantizationType.Q8_0: 8 * 34,
+    GGMLQuantizationType.Q2_K: 84,
+    GGMLQuantizationType.Q3_K: 110,
+    GGMLQuantizationType.Q4_K: 144,
+    GGMLQuantizationType.Q5_K: 176,
+    GGMLQuantizationType.Q6_K: 210,
+}
+
+
+@triton.jit
+def _f16(ptr):
+    """The little-endian float16 at `ptr` (2-byte aligned) as float32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _low(bits, OFFSET: tl.constexpr):
+    """float32(u - OFFSET) from bits = magic | u (u in bits 0..22)."""
+    return bits.to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
+
+
+@triton.jit
+def _high(bits, OFFSET: tl.constexpr):
+    """float32(u - OFFSET) from bits = magic | (u << 4), in one FMA: (2^23 + 16u) / 16 is exact."""
+    return bits.to(tl.float32, bitcast=True) * 0.0625 - (524288.0 + OFFSET)
+
+
+@triton.jit
+def _k_scale_min(sp, s):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block `s` (int tensor, 0..7) from the 12 scale bytes
+    at `sp`: bytes 0-3 scales 0-3, 4-7 mins 0-3; byte 8+i low nibble scale 4+i, high nibble min
+    4+i, whose top two bits are bits 6-7 of bytes i and 4+i."""
+    low = s < 4
+    i = tl.where(low, s, s - 4)
+    a = tl.load(sp + i).to(tl.int32)
+    b = tl.load(sp + 4 + i).to(tl.int32)
+    pk = tl.load(sp + 8 + i).to(tl.int32)
+    sc = tl.where(low, a & 63, (pk & 15) | ((a >> 2) & 48))
+    mn = tl.where(low, b & 63, (pk >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q4_k(rows, sb, magic):
+    # Plane p, element (c, j): sub-block 2c + p, nibble p of qs[32c + j]; k = 64c + 32p + j.
+    blk = rows[:, None, None] + sb * 144  # [BN, 1, 1]
+    c = tl.arange(0, 4)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    qs = tl.load(blk + 16 + c * 32 + j).to(tl.int32)  # [BN, 4, 32]
+    d = _f16(blk)
+    dmin = _f16(blk + 2)
+    sc0, mn0 = _k_scale_min(blk + 4, 2 * c)  # [BN, 4, 1]
+    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1)
+    q0 = _low((qs & 0x0F) | magic, 0)
+    q1 = _high((qs & 0xF0) | magic, 0)
+    return q0, q1, d * sc0, d * sc1, dmin * mn0, dmin * mn1
+
+
+@triton.jit
+def _q5_k(rows, sb, magic):
+    # As Q4_K with qs at byte 48; bit 4 of sub-block s's value j is bit s of qh[j] (byte 16).
+    blk = rows[:, None, None] + sb * 176
+    c = tl.arange(0, 4)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    qs = tl.load(blk + 48 + c * 32 + j).to(tl.int32)  # [BN, 4, 32]
+    qh = tl.load(blk + 16 + j).to(tl.int32)  # [BN, 1, 32]
+    d = _f16(blk)
+    dmin = _f16(blk + 2)
+    sc0, mn0 = _k_scale_min(blk + 4, 2 * c)
+    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1)
+    q0 = _low((qs & 0x0F) | (((qh >> (2 * c)) & 1) << 4) | magic, 0)
+    q1 = _high((qs & 0xF0) | (((qh >> (2 * c + 1)) & 1) << 8) | magic, 0)
+    return q0, q1, d * sc0, d * sc1, dmin * mn0, dmin * mn1
+
+
+@triton.jit
+def _q6_k(rows, sb, magic):
+    # Element (g, jj) of plane p, with h = g // 4, m = g // 2 % 2, t = g % 2, j = 16t + jj:
+    # value v = 128h + 64p + 32m + j; low nibble p of ql[16g + jj], high 2 bits are bits
+    # 2(2p + m) of qh[32h + j]; q = that - 32; scale int8 sc[v // 16] (byte 192), d f16 at 208.
+    blk = rows[:, None, None] + sb * 210
+    g = tl.arange(0, 8)[None, :, None]
+    jj = tl.arange(0, 16)[None, None, :]
+    h = g // 4
+    m = (g // 2) % 2
+    t = g % 2
+    ql = tl.load(blk + 16 * g + jj).to(tl.int32)  # [BN, 8, 16]
+    qh = tl.load(blk + 128 + 32 * h + 16 * t + jj).to(tl.int32)  # [BN, 8, 16]
+    d = _f16(blk + 208)
+    sp = (blk + 192 + 8 * h + 2 * m + t).to(tl.pointer_type(tl.int8))  # [BN, 8, 1]
+    sc0 = tl.load(sp).to(tl.float32)
+    sc1 = tl.load(sp + 4).to(tl.float32)
+    q0 = _low((ql & 0x0F) | (((qh >> (2 * m)) & 3) << 4) | magic, 32)
+    q1 = _high((ql & 0xF0) | (((qh >> (2 * m + 4)) & 3) << 8) | magic, 32)
+    return q0, q1, d * sc0, d * sc1, 0.0, 0.0
+
+
+@triton.jit
+def _q2_k(rows, sb, magic):
+    # Same (g, jj) layout as Q6_K. q = bits 2(2p + m) of qs[32h + j] (qs at byte 16); the
+    # scale byte 8h + 4p + 2m + t holds the scale (low nibble) and min (high); d, dmin at 80, 82.
+    blk = rows[:, None, None] + sb * 84
+    g = tl.arange(0, 8)[None, :, None]
+    jj = tl.arange(0, 16)[None, None, :]
+    h = g // 4
+    m = (g // 2) % 2
+    t = g % 2
+    qs = tl.load(blk + 16 + 32 * h + 16 * t + jj).to(tl.int32)  # [BN, 8, 16]
+    d = _f16(blk + 80)
+    dmin = _f16(blk + 82)
+    s0 = tl.load(blk + 8 * h + 2 * m + t).to(tl.int32)  # [BN, 8, 1]
+    s1 = tl.load(blk + 8 * h + 2 * m + t + 4).to(tl.int32)
+    q0 = _low(((qs >> (2 * m)) & 3) | magic, 0)
+    q1 = _low(((qs >> (2 * m + 4)) & 3) | magic, 0)
+    dl0 = d * (s0 & 15).to(tl.float32)
+    dl1 = d * (s1 & 15).to(tl.float32)
+    return q0, q1, dl0, dl1, dmin * (s0 >> 4).to(tl.float32), dmin * (s1 >> 4).to(tl.float32)
+
+
+@triton.jit
+def _q3_k_scale(sp, i):
+    """Q3_K's signed 6-bit scale `i` (int tensor, 0..15) from the 12 scale bytes at `sp`."""
+    lo = tl.load(sp + i % 8).to(tl.int32)
+    lo = tl.where(i < 8, lo & 15, lo >> 4)
+    hi = (tl.load(sp + 8 + i % 4).to(tl.int32) >> (2 * (i // 4))) & 3
+    return (lo | (hi << 4)).to(tl.float32) - 32.0
+
+
+@triton.jit
+def _q3_k(rows, sb, magic):
+    # Same (g, jj) layout as Q6_K. Low 2 bits as Q2_K from qs at byte 32; bit 2 is bit
+    # 4h + 2p + m of hmask[j] (byte 0); q = low + 4 * bit - 4; scales at 96, d at 108.
+    blk = rows[:, None, None] + sb * 110
+    g = tl.arange(0, 8)[None, :, None]
+    jj = tl.arange(0, 16)[None, None, :]
+    h = g // 4
+    m = (g // 2) % 2
+    t = g % 2
+    qs = tl.load(blk + 32 + 32 * h + 16 * t + jj).to(tl.int32)  # [BN, 8, 16]
+    hm = tl.load(blk + 16 * t + jj).to(tl.int32)  # [BN, 8, 16]
+    d = _f16(blk + 108)
+    i0 = 8 * h + 2 * m + t  # [1, 8, 1]
+    sc0 = _q3_k_scale(blk + 96, i0)
+    sc1 = _q3_k_scale(blk + 96, i0 + 4)
+    q0 = _low(((qs >> (2 * m)) & 3) | (((hm >> (4 * h + m)) & 1) << 2) | magic, 4)
+    q1 = _low(((qs >> (2 * m + 4)) & 3) | (((hm >> (4 * h + m + 2)) & 1) << 2) | magic, 4)
+    return q0, q1, d * sc0, d * sc1, 0.0, 0.0
+
+
+@triton.jit
+def _q8_0(rows, sb, magic):
+    # Plane p, element (c, j): block 8sb + 4p + c (34 bytes: d f16 | int8 qs[32]);
+    # k = 128p + 32c + j. The int8 q is (byte ^ 0x80) - 128.
+    c = tl.arange(0, 4)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    blk0 = rows[:, None, None] + sb * 272 + c * 34  # [BN, 4, 1]
+    blk1 = blk0 + 4 * 34
+    q0 = _low((tl.load(blk0 + 2 + j).to(tl.int32) | magic) ^ 0x80, 128)  # [BN, 4, 32]
+    q1 = _low((tl.load(blk1 + 2 + j).to(tl.int32) | magic) ^ 0x80, 128)
+    return q0, q1, _f16(blk0), _f16(blk1), 0.0, 0.0
+
+
+@triton.jit
+def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
+    """Group `sb` of rows `rows` ([BN] uint8 pointers), factored: (q0, q1, s0, s1, m0, m1)
+    with the integer quants of each plane as float32 [BN, NG, G] (exact), their sub-block
+    scales s and mins m as float32 [BN, NG, 1] (m is 0.0 for types without a min); the values
+    are q * s - m. Planes are [4, 32] for Q4_K, Q5_K, Q8_0 and [8, 16] for Q2_K, Q3_K, Q6_K.
+    `magic` is the int32 MAGIC, passed in as a kernel argument."""
+    if QTYPE == Q4_K:
+        out = _q4_k(rows, sb, magic)
+    elif QTYPE == Q5_K:
+        out = _q5_k(rows, sb, magic)
+    elif QTYPE == Q6_K:
+        out = _q6_k(rows, sb, magic)
+    elif QTYPE == Q8_0:
+        out = _q8_0(rows, sb, magic)
+    elif QTYPE == Q2_K:
+        out = _q2_k(rows, sb, magic)
+    else:
+        tl.static_assert(QTYPE == Q3_K, "unsupported GGML type")
+        out = _q3_k(rows, sb, magic)
+    return out
+
+
+@triton.jit
+def dequant_superblock(rows, sb, magic, QTYPE: tl.constexpr):
+    """Values of group `sb` of rows `rows` ([BN] uint8 pointers) as two float32 planes
+    [BN, NG, G], computed as the reference does: q * (d * sc) - dmin * m."""
+    q0, q1, s0, s1, m0, m1 = unpack_superblock(rows, sb, magic, QTYPE)
+    return q0 * s0 - m0, q1 * s1 - m1
+
+
+@triton.jit
+def plane_k_offsets(P: tl.constexpr, QTYPE: tl.constexpr):
+    """k offsets [NG, G] (within the 256-value group) of plane P's elements."""
+    if QTYPE == Q4_K or QTYPE == Q5_K:  # noqa: SIM109 (`in` on constexprs: not in Triton)
+        c = tl.arange(0, 4)[:, None]
+        offs = 64 * c + 32 * P + tl.arange(0, 32)[None, :]
+    elif QTYPE == Q8_0:
+        c = tl.arange(0, 4)[:, None]
+        offs = 128 * P + 32 * c + tl.arange(0, 32)[None, :]
+    else:
+        g = tl.arange(0, 8)[:, None]
+        offs = 128 * (g // 4) + 64 * P + 16 * (g % 4) + tl.arange(0, 16)[None, :]
+    return offs
+
+
+# ---- launcher checks shared by the kernel modules (plain Python) ----
+
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_weight(w: QTensor, ndim: int, name: str = "w") -> None:
+    """A QTensor the kernels can read: a supported type, `ndim` dims, K a multiple of 256 and
+    rows of bytes with unit stride (outer dims may be strided)."""
+    if w.qtype not in GROUP_BYTES:
+        raise ValueError(f"{name}: no kernel for {w.qtype.name}")
+    if len(w.shape) != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {w.shape}")
+    if w.shape[-1] % GROUP:
+        raise ValueError(f"{name}: K={w.shape[-1]} is not a multiple of {GROUP}")
+    if w.data.stride(-1) != 1:
+        raise ValueError(f"{name}: row bytes must be contiguous, stride {w.data.stride()}")
+
+
+def check_activation(x: torch.Tensor, w: QTensor) -> None:
+    """x [M, K] with unit stride along K, a float dtype, on w's device; w a 2-D kernel weight."""
+    check_weight(w, 2)
+    if x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {w.shape}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} not in {ACTIVATION_DTYPES}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have unit stride along K, got strides {x.stride()}")
+    if x.device != w.device:
+        raise ValueError(f"x on {x.device}, weight on {w.device}")
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the CPU interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

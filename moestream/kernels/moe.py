@@ -1,0 +1,310 @@
+"""Fused MoE FFN over stacked quantized experts: one launch per stage for all experts of a layer.
+
+out[t] = sum_j w[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]),  s = expert_slot[topk_ids[t, j]]
+
+Expert weights are found through the device-side `expert_slot` table, so no host round trip is
+needed when the experts are in place. Two paths, each two launches:
+- decode (few assignments, T*k <= GEMV_MAX_ASSIGNMENTS): GEMV-style. Stage 1 runs one program
+  per (assignment, block of F rows) for gate and up together, SiLU fused, h [T*k, F] float32;
+  stage 2 one program per (token, block of H rows) that walks the token's k experts in selection
+  order and writes the routing-weighted sum straight into out [T, H].
+- prefill: tokens grouped by expert (`align_assignments`, device-side torch ops, no sync) into
+  blocks of BLOCK_M assignments of one expert; stage 1 is a grouped GEMM with gate and up
+  dequantized per tile and `tl.dot`, SiLU fused, h [T*k, F] in x's dtype; stage 2 a grouped GEMM
+  whose rows are scaled by their routing weight into y [T*k, H] float32, summed over k in a fixed
+  order afterwards (deterministic, no atomics).
+
+Letters: T tokens, H hidden, F expert FFN, E experts, S weight slots, k experts per token,
+A = T*k assignments.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
+from moestream.kernels.quant_gemm import dot_precision, dot_superblock
+from moestream.kernels.quant_gemv import gemv_rows
+from moestream.weights.qtensor import QTensor
+
+GEMV_MAX_ASSIGNMENTS = 64
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
+    F, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, magic,
+    QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+):  # fmt: skip
+    a = tl.program_id(0)  # assignment t * TOPK + j
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, F - 1).to(tl.int64)
+    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    g_rows = g_ptr + slot * stride_ge + nc * stride_gn  # [BLOCK_N]
+    u_rows = u_ptr + slot * stride_ue + nc * stride_un
+    x_row = x_ptr + (a // TOPK).to(tl.int64) * stride_xt
+    g = gemv_rows(g_rows, x_row, 0, magic, H_GROUPS, UNROLL, QG, BLOCK_N)  # [BLOCK_N]
+    u = gemv_rows(u_rows, x_row, 0, magic, H_GROUPS, UNROLL, QU, BLOCK_N)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + a.to(tl.int64) * F + n, h.to(h_ptr.dtype.element_ty), mask=n < F)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr,
+    H, stride_de, stride_dn, stride_ot, magic,
+    QD: tl.constexpr, F_GROUPS: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, H - 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOPK):
+        a = t * TOPK + j
+        slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+        weight = tl.load(weights_ptr + a).to(tl.float32)
+        rows = d_ptr + slot * stride_de + nc * stride_dn
+        h_row = h_ptr + a.to(tl.int64) * (F_GROUPS * 256)
+        acc += weight * gemv_rows(rows, h_row, 0, magic, F_GROUPS, UNROLL, QD, BLOCK_N)
+    dst = out_ptr + t.to(tl.int64) * stride_ot + n
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+@triton.jit
+def _gate_up_gemm_kernel(
+    x_ptr, sorted_ptr, block_expert_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
+    A, E, F, stride_xt, stride_ge, stride_gn, stride_ue, stride_un, magic,
+    QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):  # fmt: skip
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:  # a spare block past the last expert's
+        return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    assign = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = assign < A
+    token = tl.where(valid, assign // TOPK, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, F - 1).to(tl.int64)
+    x_rows = x_ptr + token * stride_xt  # [BLOCK_M]
+    g_rows = g_ptr + slot * stride_ge + nc * stride_gn  # [BLOCK_N]
+    u_rows = u_ptr + slot * stride_ue + nc * stride_un
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for sb in range(H_GROUPS):
+        acc_g = dot_superblock(
+            acc_g, x_rows, g_rows, sb, magic, QG, BLOCK_M, BLOCK_N, PRECISION, DOT_F32
+        )
+        acc_u = dot_superblock(
+            acc_u, x_rows, u_rows, sb, magic, QU, BLOCK_M, BLOCK_N, PRECISION, DOT_F32
+        )
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = h_ptr + assign[:, None].to(tl.int64) * F + n[None, :]
+    tl.store(dst, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & (n[None, :] < F))
+
+
+@triton.jit
+def _down_gemm_kernel(
+    h_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr, y_ptr,
+    A, E, H, stride_de, stride_dn, magic,
+    QD: tl.constexpr, F_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:
+        return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    assign = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = assign < A
+    ac = tl.where(valid, assign, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, H - 1).to(tl.int64)
+    h_rows = h_ptr + ac * (F_GROUPS * 256)  # [BLOCK_M]
+    d_rows = d_ptr + slot * stride_de + nc * stride_dn  # [BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for sb in range(F_GROUPS):
+        acc = dot_superblock(
+            acc, h_rows, d_rows, sb, magic, QD, BLOCK_M, BLOCK_N, PRECISION, DOT_F32
+        )
+    weight = tl.load(weights_ptr + ac).to(tl.float32)  # [BLOCK_M]
+    dst = y_ptr + ac[:, None] * H + n[None, :]
+    tl.store(dst, acc * weight[:, None], mask=valid[:, None] & (n[None, :] < H))
+
+
+def unroll_for(groups: int) -> int:
+    """Groups per loop step of the GEMV kernels: the largest of 4, 3, 2, 1 that divides."""
+    return next(u for u in (4, 3, 2, 1) if groups % u == 0)
+
+
+def moe_gemm_config(
+    assignments_per_expert: float, dtype: torch.dtype
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, gate/up BLOCK_N, down BLOCK_N, num_warps, num_stages) of the grouped GEMMs.
+
+    BLOCK_M follows the mean rows per expert (16, 32, 64); gate/up holds two accumulators and
+    two dequantized tiles, so it takes 32-wide tiles from BLOCK_M 32 up (no register spills at
+    8 warps); float32 activations take at most 32 rows and 2 stages (shared memory).
+    """
+    per = assignments_per_expert
+    block_m = 16 if per <= 16 else 32 if per <= 32 else 64
+    stages = 3
+    if dtype == torch.float32:
+        block_m, stages = min(block_m, 32), 2
+    gu_block_n = 64 if block_m == 16 else 32
+    return block_m, gu_block_n, 64, 8, stages
+
+
+def align_assignments(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the A = T*k assignments by expert into blocks of `block_m` rows, on the device.
+
+    Returns (sorted_ids [num_blocks * block_m] int32: assignment ids, expert by expert in
+    ascending order, each expert's run padded to whole blocks with the sentinel A;
+    block_expert [num_blocks] int32: the expert of each block, `num_experts` for spare blocks
+    past the end). num_blocks = cdiv(A, block_m) + min(E, A) bounds the blocks needed, so the
+    shapes depend on (A, E, block_m) only and no count comes back to the host.
+    """
+    a = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()  # [A]
+    order = torch.argsort(flat, stable=True)  # [A] assignments grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync on CUDA)
+    blocks = (counts + block_m - 1) // block_m  # [E]
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    num_blocks = triton.cdiv(a, block_m) + min(num_experts, a)
+    block_expert = torch.searchsorted(
+        block_end, torch.arange(num_blocks, device=device), right=True
+    )  # [num_blocks], E past the end
+    expert_of = flat[order]  # [A]
+    first_assign = torch.cumsum(counts, 0) - counts  # [E] position of expert e's run in `order`
+    first_row = (block_end - blocks) * block_m  # [E] padded row where expert e's run starts
+    rank = torch.arange(a, device=device) - first_assign[expert_of]
+    sorted_ids = torch.full((num_blocks * block_m,), a, dtype=torch.int32, device=device)
+    sorted_ids[first_row[expert_of] + rank] = order.to(torch.int32)
+    return sorted_ids, block_expert.to(torch.int32)
+
+
+def check_moe_args(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> None:
+    """Shapes, strides, dtypes and devices the fused kernels need (ValueError otherwise)."""
+    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, H] float with unit last stride, got {x.dtype} {x.shape}")
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        check_weight(w, 3, name)
+        if w.device != x.device:
+            raise ValueError(f"{name} on {w.device}, x on {x.device}")
+    t, h = x.shape
+    s, f = gate.shape[0], gate.shape[1]
+    if gate.shape != (s, f, h) or up.shape != (s, f, h) or down.shape != (s, h, f):
+        raise ValueError(f"expert shapes {gate.shape} {up.shape} {down.shape} do not fit H={h}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be a contiguous [T={t}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_contiguous():
+        raise ValueError(f"topk_weights {tuple(topk_weights.shape)} != topk_ids' shape")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if expert_slot.dim() != 1 or expert_slot.dtype != torch.int32 or expert_slot.stride(0) != 1:
+        raise ValueError(f"expert_slot must be a contiguous int32 [E], got {expert_slot.dtype}")
+    for name, t_ in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t_.device != x.device:
+            raise ValueError(f"{name} on {t_.device}, x on {x.device}")
+    if expert_slot.device != x.device:
+        raise ValueError(f"expert_slot on {expert_slot.device}, x on {x.device}")
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+    out: torch.Tensor | None = None,
+    method: str | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """The Triton MoE FFN: same contract as `ops.moe_forward_ref`, -> [T, H] in x's dtype.
+
+    gate, up: QTensor [S, F, H]; down [S, H, F] (H and F multiples of 256, kernel types);
+    expert_slot [E] int32 maps every expert that `topk_ids` names to a slot in [0, S) (not
+    checked on the device: a bad slot reads out of bounds). `out`, when given, is a [T, H]
+    tensor of x's dtype with unit last stride. `method` ("gemv" or "gemm") and `block_n` (a power
+    of two; at least 16 for "gemm") override the heuristics.
+    """
+    check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    f = gate.shape[1]
+    a = t * k
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    elif out.shape != (t, h) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{t}, {h}] {x.dtype} with unit last stride")
+    if t == 0:
+        return out
+    method = method or ("gemv" if a <= GEMV_MAX_ASSIGNMENTS else "gemm")
+    strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
+    if method == "gemv":
+        block_n = block_n or 16
+        hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]
+        _gate_up_gemv_kernel[(a, triton.cdiv(f, block_n))](
+            x, topk_ids, expert_slot, gate.data, up.data, hidden,
+            f, x.stride(0), *strides, MAGIC,
+            QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, BLOCK_N=block_n,
+            UNROLL=unroll_for(h // 256), num_warps=4,
+        )  # fmt: skip
+        _down_gemv_kernel[(t, triton.cdiv(h, block_n))](
+            hidden, topk_ids, topk_weights, expert_slot, down.data, out,
+            h, down.data.stride(0), down.data.stride(1), out.stride(0), MAGIC,
+            QD=int(down.qtype), F_GROUPS=f // 256, TOPK=k, BLOCK_N=block_n,
+            UNROLL=unroll_for(f // 256), num_warps=4,
+        )  # fmt: skip
+        return out
+    if method != "gemm":
+        raise ValueError(f"method must be 'gemv' or 'gemm', got {method!r}")
+    num_experts = expert_slot.shape[0]
+    block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
+        a / num_experts, x.dtype
+    )
+    gu_block_n = block_n or gu_block_n
+    down_block_n = block_n or down_block_n
+    sorted_ids, block_expert = align_assignments(topk_ids, num_experts, block_m)
+    num_blocks = block_expert.shape[0]
+    precision = dot_precision(x.dtype)
+    dot_f32 = x.device.type != "cuda"
+    hidden = torch.empty((a, f), dtype=x.dtype, device=x.device)  # [A, F]
+    _gate_up_gemm_kernel[(num_blocks, triton.cdiv(f, gu_block_n))](
+        x, sorted_ids, block_expert, expert_slot, gate.data, up.data, hidden,
+        a, num_experts, f, x.stride(0), *strides, MAGIC,
+        QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+        BLOCK_M=block_m, BLOCK_N=gu_block_n, PRECISION=precision, DOT_F32=dot_f32,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
+    _down_gemm_kernel[(num_blocks, triton.cdiv(h, down_block_n))](
+        hidden, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
+        a, num_experts, h, down.data.stride(0), down.data.stride(1), MAGIC,
+        QD=int(down.qtype), F_GROUPS=f // 256, BLOCK_M=block_m, BLOCK_N=down_block_n,
+        PRECISION=precision, DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order
+    return out

@@ -1,0 +1,189 @@
+"""The fused MoE kernels (decode GEMV and prefill grouped-GEMM paths) against
+`ops.moe_forward_ref`, with fresh random inputs. Without CUDA the Triton interpreter runs them on
+the CPU; on a CUDA machine the same tests run the compiled kernels on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from moestream.kernels import ops
+from moestream.weights.qtensor import QTensor
+from moestream.weights.quantize import quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":  # the modules above do not import triton; the kernel modules below do
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from moestream.kernels.moe import align_assignments, fused_moe  # noqa: E402
+
+T = GGMLQuantizationType
+
+
+def stacked(qtype: GGMLQuantizationType, shape: tuple[int, int, int], seed: int) -> QTensor:
+    """Random expert weights [S, out, in] (std 0.05) quantized to `qtype`."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=g) * 0.05
+    return QTensor(torch.from_numpy(quantize(values, qtype)).to(DEVICE), qtype, shape)
+
+
+def routing(t: int, k: int, experts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] int64 (k distinct experts from `experts` per token) and softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(experts), generator=g)[:k]] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    return ids.to(DEVICE), weights.to(DEVICE)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(y).all(), "output has NaN/inf: some element was not written"
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+H, FF = 256, 256  # hidden, expert FFN
+E, S = 6, 5  # experts, weight slots: expert 5 has no slot and is never routed to
+SLOT = [3, 0, 4, 1, 2, -1]
+RESIDENT = [0, 1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def experts() -> tuple[QTensor, QTensor, QTensor]:
+    """gate [S, F, H] Q4_K, up Q5_K, down [S, H, F] Q6_K (the Q4_K_M mix, plus Q5_K)."""
+    return (
+        stacked(T.Q4_K, (S, FF, H), seed=1),
+        stacked(T.Q5_K, (S, FF, H), seed=2),
+        stacked(T.Q6_K, (S, H, FF), seed=3),
+    )
+
+
+@pytest.mark.parametrize(
+    "method, t, k, dtype",
+    [
+        ("gemv", 1, 2, torch.float32),
+        ("gemv", 3, 2, torch.bfloat16),
+        ("gemm", 3, 2, torch.float32),
+        ("gemm", 7, 3, torch.bfloat16),
+    ],
+)
+def test_fused_moe_matches_reference(experts, method, t, k, dtype):
+    gate, up, down = experts
+    g = torch.Generator().manual_seed(t * 10 + k)
+    x = torch.randn(t, H, generator=g).to(DEVICE, dtype)
+    ids, weights = routing(t, k, RESIDENT, seed=t)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    out = torch.full((t, H), float("nan"), dtype=dtype, device=DEVICE)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
+    ref = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)  # float32
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_fused_moe_q8_0_and_int32_ids():
+    """Other weight types, int32 ids, every token on the same expert (one full block)."""
+    gate = stacked(T.Q8_0, (2, 256, 256), seed=4)
+    up = stacked(T.Q8_0, (2, 256, 256), seed=5)
+    down = stacked(T.Q4_K, (2, 256, 256), seed=6)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ids = torch.tensor([[1], [1], [1], [1]], dtype=torch.int32, device=DEVICE)
+    weights = torch.rand(4, 1, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    ref = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
+    for method in ("gemv", "gemm"):
+        out = torch.full((4, 256), float("nan"), device=DEVICE)
+        fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
+        assert rel_err(out, ref) < 1e-5, method
+
+
+def test_align_assignments_groups_by_expert():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]], device=DEVICE)  # [T=4, k=2]
+    a, num_experts, block_m = ids.numel(), 6, 2
+    sorted_ids, block_expert = align_assignments(ids, num_experts, block_m)
+    sorted_ids, block_expert, ids = sorted_ids.cpu(), block_expert.cpu(), ids.cpu()
+    assert sorted_ids.dtype == block_expert.dtype == torch.int32
+    assert len(sorted_ids) == len(block_expert) * block_m
+    flat = ids.flatten()
+    real = sorted_ids[sorted_ids < a].long()
+    assert sorted(real.tolist()) == list(range(a))  # every assignment once
+    rows = sorted_ids.view(-1, block_m)
+    for b, e in enumerate(block_expert.tolist()):
+        members = rows[b][rows[b] < a].long()
+        if e == num_experts:
+            assert len(members) == 0  # spare block
+        else:
+            assert len(members) > 0 and (flat[members] == e).all()
+    used = block_expert[block_expert < num_experts].tolist()
+    assert used == sorted(used)  # experts in ascending order
+    assert used == [0, 1, 3, 3, 5]  # expert 3 has 4 assignments: two blocks
+
+
+def test_moe_forward_ref_matches_per_token_loop(experts):
+    gate, up, down = (w.to("cpu") for w in experts)
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(9))
+    ids, weights = (t.cpu() for t in routing(4, 3, RESIDENT, seed=9))
+    slot = torch.tensor(SLOT, dtype=torch.int32)
+    out = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
+    wg, wu, wd = gate.dequantize(), up.dequantize(), down.dequantize()
+    for t in range(4):
+        expect = torch.zeros(H)
+        for j in range(3):
+            s = SLOT[ids[t, j]]
+            h = F.silu(wg[s] @ x[t]) * (wu[s] @ x[t])
+            expect += weights[t, j] * (wd[s] @ h)
+        torch.testing.assert_close(out[t], expect, rtol=1e-4, atol=1e-5)
+
+
+def test_moe_forward_ref_rejects_unresident_expert(experts):
+    gate, up, down = (w.to("cpu") for w in experts)
+    ids = torch.tensor([[5, 0]])  # expert 5 has slot -1
+    with pytest.raises(ValueError, match="expert 5"):
+        ops.moe_forward_ref(
+            torch.zeros(1, H), ids, torch.ones(1, 2), gate, up, down, torch.tensor(SLOT)
+        )
+
+
+def test_ops_moe_forward_uses_reference_on_cpu(experts):
+    gate, up, down = (w.to("cpu") for w in experts)
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(10))
+    ids, weights = (t.cpu() for t in routing(2, 2, RESIDENT, seed=10))
+    slot = torch.tensor(SLOT, dtype=torch.int32)
+    ref = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
+    assert torch.equal(ops.moe_forward(x, ids, weights, gate, up, down, slot), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("t", [1, 40])
+def test_ops_moe_forward_dispatches_to_kernels_on_cuda(experts, t):
+    """int64 expert_slot is accepted (cast); decode and prefill sizes; no host sync needed."""
+    gate, up, down = experts
+    x = torch.randn(t, H, generator=torch.Generator().manual_seed(t)).to(DEVICE, torch.bfloat16)
+    ids, weights = routing(t, 2, RESIDENT, seed=t)
+    slot = torch.tensor(SLOT, device=DEVICE)  # int64
+    out = ops.moe_forward(x, ids, weights, gate, up, down, slot)
+    assert out.shape == (t, H) and out.dtype == torch.bfloat16
+    ref = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_fused_moe_rejects_bad_arguments(experts):
+    gate, up, down = experts
+    x = torch.zeros(2, H, device=DEVICE)
+    ids, weights = routing(2, 2, RESIDENT, seed=11)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="expert shapes"):
+        fused_moe(x, ids, weights, gate, up, QTensor(down.data[:4], T.Q6_K, (4, H, FF)), slot)
+    with pytest.raises(ValueError, match="expert_slot"):
+        fused_moe(x, ids, weights, gate, up, down, slot.long())
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_moe(x, ids, weights[:, :1], gate, up, down, slot)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, ids.float(), weights, gate, up, down, slot)
+    with pytest.raises(ValueError, match="method"):
+        fused_moe(x, ids, weights, gate, up, down, slot, method="dense")
