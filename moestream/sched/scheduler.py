@@ -208,7 +208,8 @@ class Scheduler:
             if victim is req:
                 return
         need = self.allocator.blocks_needed(req.num_computed_tokens + num_new + len(drafts))
-        req.block_ids += self.allocator.allocate(need - len(req.block_ids))
+        if need > len(req.block_ids):  # rejected drafts may have left spare blocks: keep them
+            req.block_ids += self.allocator.allocate(need - len(req.block_ids))
         self._add_entry(req, num_new, drafts, step)
 
     def _admit_waiting(self, step: _Step) -> None:

@@ -5,20 +5,25 @@ whether and how far to speculate, and the statistics both rest on.
 Integration (engine and runner), a few lines:
 
     spec = Speculator.from_config(spec_config, vocab_size=model.config.vocab_size,
+                                  target_tokens=source.metadata.get("tokenizer.ggml.tokens"),
                                   device=device, dtype=model.dtype, block_size=block_size,
-                                  draft_num_blocks=...)           # None when --speculative off
+                                  draft_num_blocks=...)      # None when --speculative off
     # Engine.step:
-    plan = self.scheduler.schedule()                # feeds Request.draft_token_ids as drafts
+    plan = self.scheduler.schedule()           # feeds Request.draft_token_ids as drafts
     t0 = time.perf_counter()
-    result = self.runner.execute(plan)              # verifies drafts: rejection_sample(...)
+    result = self.runner.execute(plan)         # verifies drafts (below); ends in a host sync
     if spec: spec.observe(plan, result.sampled, time.perf_counter() - t0)
     outputs = self._commit(plan, result.sampled, result.logprobs)
-    if spec: spec.draft(self.scheduler.running)     # sets draft_token_ids for the next step
+    if spec: spec.draft(self.scheduler.running)  # sets draft_token_ids for the next step
 
-The runner verifies `s.draft_token_ids` with `rejection_sample(drafts [B, k], draft_probs,
-target_logits [B, k+1, V], batch)`, where draft_probs is None when every
-`spec.draft_probs(id)` is None (all current proposers draft deterministically), and returns
-`output[:num_accepted + 1]` per request as StepPlan requires.
+`observe` learns the step's cost (by its token count) and every verified request's accepted
+length, and drops the state of the plan's preempted and finished requests; `draft` asks the
+picker, per decoding request, for plain decode or a proposer and k, and runs the proposers.
+The runner verifies a request with k drafts from the logits of its last k + 1 fed rows:
+`rejection_sample(drafts [B, k], draft_probs, target_logits [B, k + 1, V], batch)` with
+draft_probs None (every current proposer drafts deterministically; `spec.draft_probs(id)`
+says so per request), rows grouped by k (rejection_sample takes one k per call), and
+`sampled[id] = output[b, :num_accepted[b] + 1]` as StepPlan requires.
 """
 
 from moestream.spec.base import (

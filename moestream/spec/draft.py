@@ -1,0 +1,234 @@
+"""Draft-model proposer: a small LM that shares the target's tokenizer drafts k tokens greedily,
+with its own paged KV cache and block allocator, in the same process as the target.
+
+Per request the proposer keeps the draft-side block table, `num_computed` (positions whose draft
+K/V match the request's tokens) and the drafts it fed after them. Drafting k tokens feeds d_0 ..
+d_{k-2} too, so their K/V sit in the cache; at the next call the proposer compares them with
+the tokens the request actually has (accepted drafts, then the target's token) and keeps the
+matching prefix. Rejected positions are simply overwritten later: the rollback is the
+assignment of `num_computed`. A call runs, for all requests together, a catch-up forward of
+each request's unseen tokens (chunked when long; a new request's whole prompt) whose last
+logits give d_0, then one single-token forward per further drafted position.
+
+Greedy drafts are deterministic, so `Proposal.probs` is None: `rejection_sample` verifies them
+exactly at any temperature (q is one-hot). One host synchronisation per call (the drafts).
+Letters: B requests, T fed tokens, V vocabulary, K most drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.cache.block_allocator import BlockAllocator
+from moestream.config import ModelConfig
+from moestream.errors import CapacityError, ModelFormatError
+from moestream.layers.attention import AttentionMetadata
+from moestream.models.base import CausalLM
+from moestream.spec.base import Proposal, ProposalInput, Proposer
+
+
+@dataclass
+class _DraftState:
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # draft K/V of positions < num_computed match the request's tokens
+    fed_drafts: list[int] = field(default_factory=list)  # at positions num_computed.. (unverified)
+
+
+@dataclass
+class _Row:
+    inp: ProposalInput
+    state: _DraftState
+    k: int
+    pending: list[int]  # tokens still to feed before drafting (at least the last one)
+
+
+class DraftModelProposer(Proposer):
+    """Greedy drafts from `model` over its own KV pool of `num_blocks` x `block_size` tokens.
+
+    A request that cannot get draft KV blocks, or whose drafts would pass the draft model's
+    context length, gets no proposal this step (speculation is optional; the target decodes).
+    `max_prefill_tokens` bounds the tokens of one request fed in one catch-up forward.
+    """
+
+    name = "draft"
+    costs_forward = True
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int = 16,
+        device: torch.device | str | None = None,
+        kv_dtype: torch.dtype | None = None,
+        max_prefill_tokens: int = 1024,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device) if device is not None else model.device
+        self.block_size = block_size
+        self.kv = model.make_kv_cache(num_blocks, block_size, kv_dtype)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.max_prefill_tokens = max_prefill_tokens
+        self._states: dict[str, _DraftState] = {}
+        self.num_forwards = 0  # forwards run so far (the picker divides measured time by it)
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str,
+        target_vocab_size: int,
+        *,
+        target_tokens: Sequence[str] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+    ) -> DraftModelProposer:
+        """Load the draft model at `path` (`--draft-model`), checked against the target's
+        vocabulary (see `check_compatible`) before its weights are built. `num_blocks`
+        defaults to room for four sequences of the draft's full context."""
+        from moestream.models.registry import build_model
+        from moestream.weights.loader import open_model
+
+        source = open_model(path)
+        draft_tokens = source.metadata.get("tokenizer.ggml.tokens")
+        cls.check_compatible(source.config, target_vocab_size, path, draft_tokens, target_tokens)
+        model = build_model(source, device=device, dtype=dtype or torch.float32)
+        if num_blocks is None:
+            num_blocks = 4 * -(-model.config.context_length // block_size)
+        return cls(model, num_blocks, block_size, device)
+
+    @staticmethod
+    def check_compatible(
+        draft: ModelConfig,
+        target_vocab_size: int,
+        draft_path: str = "",
+        draft_tokens: Sequence[str] | None = None,
+        target_tokens: Sequence[str] | None = None,
+    ) -> None:
+        """ModelFormatError unless the draft shares the target's vocabulary: the same size,
+        and the same token strings when both are known (GGUF `tokenizer.ggml.tokens`)."""
+        where = draft_path or "draft model"
+        if draft.vocab_size != target_vocab_size:
+            raise ModelFormatError(
+                f"{where}: vocabulary of {draft.vocab_size} tokens does not match the "
+                f"target's {target_vocab_size} (they must share a tokenizer)"
+            )
+        if draft_tokens is not None and target_tokens is not None:
+            for i, (a, b) in enumerate(zip(draft_tokens, target_tokens)):
+                if a != b:
+                    raise ModelFormatError(
+                        f"{where}: token {i} is {a!r} but the target's is {b!r} "
+                        "(they must share a tokenizer)"
+                    )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    def num_computed(self, request_id: str) -> int:
+        """Positions of `request_id` whose draft K/V are known good (0 if unknown)."""
+        st = self._states.get(request_id)
+        return st.num_computed if st else 0
+
+    def release(self, request_id: str) -> None:
+        st = self._states.pop(request_id, None)
+        if st is not None:
+            self.allocator.free(reversed(st.block_ids))
+
+    # ---- proposing -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[ProposalInput]) -> dict[str, Proposal]:
+        rows = [r for r in (self._prepare(inp) for inp in inputs if inp.num_drafts > 0) if r]
+        if not rows:
+            return {}
+        self._catch_up(rows)
+        logits = self._forward([(r, r.pending) for r in rows], want_logits=True)  # [B, V]
+        max_k = max(r.k for r in rows)
+        drafts = torch.full((len(rows), max_k), -1, dtype=torch.long, device=self.device)
+        drafts[:, 0] = logits.argmax(dim=-1)
+        for r in rows:
+            r.state.num_computed = r.inp.num_tokens
+            r.state.fed_drafts = []
+        for j in range(1, max_k):
+            active = [i for i, r in enumerate(rows) if r.k > j]
+            idx = torch.tensor(active, dtype=torch.long, device=self.device)
+            fed = drafts[idx, j - 1]  # [b]
+            logits = self._forward_ids(
+                fed, [(rows[i], rows[i].inp.num_tokens + j - 1) for i in active]
+            )
+            drafts[idx, j] = logits.argmax(dim=-1)
+        host = drafts.tolist()  # the one host synchronisation
+        out = {}
+        for r, d in zip(rows, host):
+            tokens = d[: r.k]
+            r.state.fed_drafts = tokens[:-1]
+            out[r.inp.request_id] = Proposal(tokens)
+        return out
+
+    def _prepare(self, inp: ProposalInput) -> _Row | None:
+        """Sync the request's draft state with its tokens and reserve blocks; None to skip."""
+        n = inp.num_tokens
+        st = self._states.get(inp.request_id)
+        if st is None or st.num_computed > n:
+            self.release(inp.request_id)
+            st = self._states[inp.request_id] = _DraftState()
+        if st.fed_drafts:
+            actual = inp.token_slice(st.num_computed, min(n, st.num_computed + len(st.fed_drafts)))
+            keep = 0
+            while keep < len(actual) and actual[keep] == st.fed_drafts[keep]:
+                keep += 1
+            st.num_computed += keep
+            st.fed_drafts = []
+        st.num_computed = min(st.num_computed, n - 1)  # the last token is fed for its logits
+        k = min(inp.num_drafts, self.model.config.context_length - n + 1)
+        if k < 1:
+            return None
+        need = self.allocator.blocks_needed(n + k - 1) - len(st.block_ids)
+        if need > 0:
+            try:
+                st.block_ids += self.allocator.allocate(need)
+            except CapacityError:
+                return None
+        return _Row(inp, st, k, inp.token_slice(st.num_computed, n))
+
+    def _catch_up(self, rows: list[_Row]) -> None:
+        """Feed all but the last `max_prefill_tokens` pending tokens of long requests."""
+        chunk = self.max_prefill_tokens
+        while True:
+            long_rows = [r for r in rows if len(r.pending) > chunk]
+            if not long_rows:
+                return
+            self._forward([(r, r.pending[:chunk]) for r in long_rows], want_logits=False)
+            for r in long_rows:
+                r.state.num_computed += chunk
+                r.pending = r.pending[chunk:]
+
+    def _forward(self, feeds: list[tuple[_Row, list[int]]], want_logits: bool) -> torch.Tensor:
+        """Feed each row's tokens after its `num_computed`; logits [B, V] of each row's last."""
+        tokens = [t for _, toks in feeds for t in toks]
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
+        seqs = [(r.state.num_computed, len(toks), r.state.block_ids) for r, toks in feeds]
+        return self._run(ids, seqs, want_logits)
+
+    def _forward_ids(self, ids: torch.Tensor, rows: list[tuple[_Row, int]]) -> torch.Tensor:
+        """One token per row (ids [b] on the device) at the given positions -> logits [b, V]."""
+        return self._run(ids, [(pos, 1, r.state.block_ids) for r, pos in rows], True)
+
+    def _run(
+        self, ids: torch.Tensor, seqs: list[tuple[int, int, list[int]]], want_logits: bool
+    ) -> torch.Tensor:
+        positions = torch.tensor(
+            [p for start, n, _ in seqs for p in range(start, start + n)],
+            dtype=torch.long,
+            device=self.device,
+        )  # [T]
+        attn = AttentionMetadata.build(seqs, self.block_size, self.device)
+        hidden = self.model.forward(ids, positions, attn, self.kv)  # [T, H]
+        self.num_forwards += 1
+        if not want_logits:
+            return hidden
+        last = attn.query_start_loc[1:].long() - 1  # [B]
+        return self.model.compute_logits(hidden.index_select(0, last))  # [B, V]

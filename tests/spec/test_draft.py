@@ -1,0 +1,261 @@
+"""Draft-model proposer on the real tiny Qwen3 draft: greedy drafts, rollback, batching."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from moestream.errors import ModelFormatError
+from moestream.layers.attention import AttentionMetadata
+from moestream.models.registry import build_model
+from moestream.spec.base import ProposalInput, SpecConfig
+from moestream.spec.draft import DraftModelProposer
+from moestream.spec.picker import Speculator
+from moestream.weights.loader import open_model
+from moestream.weights.qtensor import QTensor
+
+DATA = Path(__file__).resolve().parents[2] / "moestream" / "data"
+DRAFT = DATA / "tiny-qwen3-draft-Q8_0.gguf"
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster than two and avoids oversubscribed CI machines."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return open_model(DRAFT)
+
+
+@pytest.fixture(scope="module")
+def model(source):
+    """The draft model with its Q8_0 weights dequantized once (bit-exact), so that the CPU
+    reference path does not dequantize every weight in every forward."""
+    tensors = {
+        name: QTensor.from_float(source.tensors[name].dequantize(torch.float32))
+        for name in source.tensors
+    }
+    return build_model(dataclasses.replace(source, tensors=tensors))
+
+
+@pytest.fixture(scope="module")
+def prompts(source):
+    tok = source.tokenizer()
+    text = (DATA / "heldout-python.txt").read_text()
+    ids = tok.encode(text[:3000])
+    return [ids[:23], ids[100:140], ids[300:309]]
+
+
+@torch.inference_mode()
+def greedy_reference(model, tokens: list[int], k: int) -> list[int]:
+    """k greedy tokens, each from a full forward over all tokens in a fresh cache."""
+    toks, out = list(tokens), []
+    for _ in range(k):
+        n = len(toks)
+        nb = -(-n // BS)
+        kv = model.make_kv_cache(nb, BS)
+        dev = model.device
+        attn = AttentionMetadata.build([(0, n, list(range(nb)))], BS, dev)
+        ids = torch.tensor(toks, device=dev)
+        hidden = model.forward(ids, torch.arange(n, device=dev), attn, kv)
+        t = int(model.compute_logits(hidden[-1:]).argmax())
+        out.append(t)
+        toks.append(t)
+    return out
+
+
+@torch.inference_mode()
+def assert_draft_kv_matches(model, prop, rid, tokens):
+    """The proposer's cached K/V of `tokens` (all layers) equal a fresh full forward's."""
+    n = len(tokens)
+    nb = -(-n // BS)
+    kv = model.make_kv_cache(nb, BS)
+    attn = AttentionMetadata.build([(0, n, list(range(nb)))], BS, "cpu")
+    model.forward(torch.tensor(tokens), torch.arange(n), attn, kv)
+    blocks = prop._states[rid].block_ids
+    for layer in range(model.config.n_layers):
+        for mine, ref in ((prop.kv.k[layer], kv.k[layer]), (prop.kv.v[layer], kv.v[layer])):
+            got = mine[blocks].flatten(0, 1)[:n]  # [n, g, D]
+            torch.testing.assert_close(got, ref.flatten(0, 1)[:n], rtol=1e-4, atol=1e-4)
+
+
+def propose_one(prop, rid, prompt, output, k):
+    got = prop.propose([ProposalInput(rid, prompt, output, num_drafts=k)])
+    return got[rid].token_ids
+
+
+def test_proposals_are_the_draft_models_greedy_continuation(model, prompts):
+    prop = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    got = prop.propose([ProposalInput("a", prompts[0], [], num_drafts=4)])
+    assert got["a"].probs is None  # greedy drafts: verified as one-hot q
+    assert got["a"].token_ids == greedy_reference(model, prompts[0], 4)
+    assert prop.num_computed("a") == len(prompts[0])
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 3, 4])
+def test_rollback_after_partial_acceptance(model, prompts, accepted):
+    prompt, k = prompts[0], 4
+    prop = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    drafts = propose_one(prop, "a", prompt, [], k)
+    # The target accepts `accepted` drafts, then emits its own token: a different one from
+    # the next draft (a rejection), or any token after all k were accepted.
+    bonus = (drafts[accepted] + 1) % model.config.vocab_size if accepted < k else 7
+    output = drafts[:accepted] + [bonus]
+    nxt = propose_one(prop, "a", prompt, output, 3)
+    # the drafted K/V that matched the accepted tokens were kept, the rest is recomputed
+    assert prop.num_computed("a") == len(prompt) + len(output)
+    assert nxt == greedy_reference(model, prompt + output, 3)
+    assert_draft_kv_matches(model, prop, "a", prompt + output)
+
+
+def test_rollback_when_the_request_moved_on_without_verifying(model, prompts):
+    """Drafts that were never verified (the step ran plain decode, several times): the tokens
+    that follow match the drafts only in part, and only that part of the draft K/V is kept."""
+    prompt = prompts[1]
+    prop = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    drafts = propose_one(prop, "a", prompt, [], 4)
+    vocab = model.config.vocab_size
+    output = [drafts[0], (drafts[1] + 1) % vocab, drafts[2], 3, 4]  # diverges at the 2nd
+    assert propose_one(prop, "a", prompt, output, 2) == greedy_reference(model, prompt + output, 2)
+    assert_draft_kv_matches(model, prop, "a", prompt + output)
+
+
+def test_batched_requests_equal_alone(model, prompts):
+    ks = [4, 2, 3]
+    batched = DraftModelProposer(model, num_blocks=32, block_size=BS)
+    inputs = [
+        ProposalInput(f"r{i}", p, [], num_drafts=k) for i, (p, k) in enumerate(zip(prompts, ks))
+    ]
+    got = batched.propose(inputs)
+    for i, (p, k) in enumerate(zip(prompts, ks)):
+        alone = DraftModelProposer(model, num_blocks=16, block_size=BS)
+        assert got[f"r{i}"].token_ids == propose_one(alone, "x", p, [], k)
+        assert len(got[f"r{i}"].token_ids) == k
+    # a second batched step after different acceptances stays right for every request
+    outs = [got["r0"].token_ids[:2] + [5], [11], got["r2"].token_ids[:3] + [9]]
+    inputs = [
+        ProposalInput(f"r{i}", p, o, num_drafts=2) for i, (p, o) in enumerate(zip(prompts, outs))
+    ]
+    got = batched.propose(inputs)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        assert got[f"r{i}"].token_ids == greedy_reference(model, p + o, 2)
+
+
+def test_chunked_catch_up_gives_the_same_drafts(model, prompts):
+    chunked = DraftModelProposer(model, num_blocks=16, block_size=BS, max_prefill_tokens=8)
+    plain = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    assert propose_one(chunked, "a", prompts[1], [], 3) == propose_one(
+        plain, "a", prompts[1], [], 3
+    )
+
+
+def test_capacity_skips_and_release_frees_blocks(model, prompts):
+    prop = DraftModelProposer(model, num_blocks=3, block_size=BS)
+    assert set(prop.propose([ProposalInput("a", prompts[1], [], num_drafts=4)])) == {"a"}
+    held = prop.allocator.num_used
+    assert held == 3  # 40 + 3 positions
+    # no blocks left for a second request: no proposal, no error
+    assert prop.propose([ProposalInput("b", prompts[0], [], num_drafts=4)]) == {}
+    prop.release("a")
+    prop.release("b")
+    assert prop.allocator.num_used == 0 and prop.num_requests == 0
+    prop.allocator.check_invariants()
+
+
+def test_vocabulary_mismatch_is_rejected(model, source):
+    tokens = source.metadata["tokenizer.ggml.tokens"]
+    DraftModelProposer.check_compatible(model.config, 4096, "d.gguf", tokens, list(tokens))
+    with pytest.raises(ModelFormatError, match="vocabulary"):
+        DraftModelProposer.check_compatible(model.config, 151936, "x.gguf")
+    other = list(tokens)
+    other[5] = "something else"
+    with pytest.raises(ModelFormatError, match="token 5"):
+        DraftModelProposer.check_compatible(model.config, 4096, "x.gguf", tokens, other)
+
+
+def test_speculator_with_draft_keeps_greedy_output(model, prompts):
+    """The draft model verifying itself: every draft is accepted, output equals plain greedy."""
+    from moestream.sched.scheduler import Scheduler
+    from moestream.types import Request, SamplingParams
+
+    config = SpecConfig(
+        mode="draft", draft_model=str(DRAFT), max_k=3, explore_interval=1, explore_budget=0.5
+    )
+    spec = Speculator(config, [DraftModelProposer(model, num_blocks=8, block_size=BS)])
+    prompt, n_out = prompts[2], 10
+    truth = greedy_reference(model, prompt, n_out)
+    sched = Scheduler(
+        block_size=BS,
+        num_blocks=8,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    req = Request("a", list(prompt), SamplingParams(temperature=0, max_tokens=n_out))
+    sched.add_request(req)
+    steps = 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sampled = {}
+        for s in plan.scheduled:
+            pos = len(s.output_token_ids)
+            out = []
+            for j, d in enumerate(s.draft_token_ids):
+                if d != truth[pos + j]:
+                    break
+                out.append(d)
+            sampled[s.request_id] = out + [truth[pos + len(out)]]
+        spec.observe(plan, sampled, seconds=1.0)  # a target step costs far more than drafting
+        sched.update(plan, sampled)
+        spec.draft(sched.running)
+        steps += 1
+    assert req.output_token_ids == truth
+    total = spec.stats.total
+    assert total.num_verify_steps >= 1 and total.acceptance_rate == 1.0
+    assert steps < n_out  # speculation saved target steps
+
+
+def test_from_config_loads_the_draft_and_checks_its_vocabulary():
+    auto = SpecConfig(mode="auto", draft_model=str(DRAFT))
+    spec = Speculator.from_config(auto, vocab_size=4096, draft_num_blocks=4)
+    assert list(spec.proposers) == ["ngram", "draft"]
+    assert spec.proposers["draft"].kv.num_blocks == 4
+    assert Speculator.from_config(SpecConfig(mode="off"), vocab_size=4096) is None
+    with pytest.raises(ModelFormatError, match="does not match the target's 151936"):
+        Speculator.from_config(auto, vocab_size=151936)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draft_proposer_on_cuda(source, prompts):
+    """The Q8_0 draft on the GPU kernels: drafts equal the same model's full-forward greedy
+    continuation; prints the time of one batched propose call."""
+    import time
+
+    model = build_model(source, device="cuda")
+    prop = DraftModelProposer(model, num_blocks=64, block_size=BS)
+    inputs = [ProposalInput(f"r{i}", p, [], num_drafts=4) for i, p in enumerate(prompts)]
+    got = prop.propose(inputs)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"].token_ids == greedy_reference(model, p, 4)
+    for batch in (1, 3):
+        steps = [
+            [ProposalInput(f"t{i}", prompts[i], [7] * s, num_drafts=4) for i in range(batch)]
+            for s in range(10)
+        ]  # a new token per call, as in decode
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in steps:
+            prop.propose(step)
+        per_call = (time.perf_counter() - start) / len(steps)
+        print(f"draft propose, {batch} request(s), k=4: {per_call * 1e3:.2f} ms per call")

@@ -1,0 +1,298 @@
+"""Picker, cost model and counters on synthetic acceptance and cost; the Speculator driving the
+real scheduler against a simulated target."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from moestream.errors import RequestError
+from moestream.sched.scheduler import Scheduler
+from moestream.spec.base import SpecConfig
+from moestream.spec.ngram import NgramProposer
+from moestream.spec.picker import Candidate, Choice, Picker, Speculator
+from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
+from moestream.types import Request, SamplingParams
+
+
+def dense(n: int) -> float:
+    """A memory-bound dense target: verifying a few more tokens is nearly free."""
+    return 1.0 + 0.03 * (n - 1)
+
+
+def moe(n: int) -> float:
+    """An MoE target (128 experts, 8 per token): n tokens read the union of their experts."""
+    distinct = 128 * (1 - (1 - 8 / 128) ** n)
+    return 0.1 + 0.9 * distinct / 8
+
+
+def make_picker(acceptance: float, cost: Callable[[int], float], max_k: int = 4, **kw) -> Picker:
+    """A picker with acceptance a[j] = acceptance^(j+1) and `cost` measured for 1..39 tokens;
+    no exploration unless `explore_budget` is given."""
+    kw.setdefault("explore_budget", 0.0)
+    p = Picker(("ngram",), max_k, prior=[acceptance ** (j + 1) for j in range(max_k)], **kw)
+    for n in range(1, 40):
+        p.record_step_time(n, cost(n))
+    return p
+
+
+def choose_one(p: Picker, available: int = 4, rid: str = "a", max_k: int = 4) -> Choice:
+    return p.choose([Candidate(rid, max_k, {"ngram": available})])[rid]
+
+
+# ---- picker ------------------------------------------------------------------------------
+def test_high_acceptance_and_cheap_verify_speculate_long():
+    assert choose_one(make_picker(0.9, dense)) == Choice("ngram", 4)
+
+
+def test_low_acceptance_is_plain_decode():
+    assert choose_one(make_picker(0.02, dense)) == Choice()
+
+
+def test_moe_verify_cost_turns_speculation_off():
+    assert choose_one(make_picker(0.6, dense)).k >= 2
+    assert choose_one(make_picker(0.6, moe)) == Choice()
+    # near-certain drafts still pay on the MoE
+    assert choose_one(make_picker(0.97, moe)).arm == "ngram"
+
+
+def test_k_shrinks_as_verification_gets_dearer():
+    def steep(n: int) -> float:
+        return 1.0 + 0.25 * (n - 1)
+
+    assert choose_one(make_picker(0.5, dense)).k == 4
+    assert choose_one(make_picker(0.5, steep)).k == 1
+
+
+def test_k_is_limited_by_the_proposal_and_the_request():
+    p = make_picker(0.9, dense)
+    assert choose_one(p, available=2) == Choice("ngram", 2)
+    assert choose_one(p, available=4, rid="b", max_k=1) == Choice("ngram", 1)
+
+
+def test_untried_sizes_are_priced_pessimistically():
+    p = Picker(("ngram",), 4, prior=[0.99] * 4)
+    p.record_step_time(1, 1.0)
+    assert choose_one(p) == Choice()  # 5 tokens may cost 5x: unknown is not cheap
+    p.record_step_time(5, 1.1)
+    assert choose_one(p) == Choice("ngram", 4)
+
+
+def test_switches_off_and_on_as_acceptance_changes():
+    p = make_picker(0.5, dense)
+    assert choose_one(p).arm == "ngram"
+    for _ in range(20):
+        p.record_verification("a", "ngram", 4, 0)
+    assert choose_one(p) == Choice()
+    for _ in range(20):
+        p.record_verification("a", "ngram", 4, 4)
+    assert choose_one(p) == Choice("ngram", 4)
+
+
+def test_decides_per_request():
+    p = make_picker(0.5, dense)
+    for _ in range(20):
+        p.record_verification("good", "ngram", 4, 4)
+        p.record_verification("bad", "ngram", 4, 0)
+    got = p.choose([Candidate(r, 4, {"ngram": 4}) for r in ("good", "bad")])
+    assert got == {"good": Choice("ngram", 4), "bad": Choice()}
+
+
+def test_exploration_schedule_backs_off_and_is_budgeted():
+    p = make_picker(0.01, dense, explore_interval=4, explore_max_interval=16, explore_budget=0.5)
+    explored = [step for step in range(64) if choose_one(p).explore]
+    assert explored == [0, 8, 24, 40, 56]  # at once, then after 8, 16, 16, 16 steps
+    assert all(choose_one(p, available=0).arm is None for _ in range(40))  # no match: no try
+    # with no measured time there is no budget for exploring
+    broke = Picker(("ngram",), 4, explore_interval=1)
+    assert not any(choose_one(broke).explore for _ in range(10))
+
+
+def test_exploration_climbs_k_while_it_pays():
+    # Only a one-token decode is measured, so longer drafts look expensive until tried.
+    p = Picker(("ngram",), 4, explore_interval=2, explore_budget=0.5)
+    choices = []
+    for _ in range(40):
+        c = choose_one(p)
+        p.record_step_time(1 + c.k, dense(1 + c.k))
+        if c.arm:
+            p.record_verification("a", "ngram", c.k, c.k)  # everything is accepted
+        choices.append(c)
+    ks = [c.k for c in choices]
+    # plain until the budget allows a try, then one draft, then (all accepted) the longest
+    assert ks[:2] == [0, 0] and ks[2] == 1 and ks[3:] == [4] * 37
+    assert choices[-1] == Choice("ngram", 4)  # the picker's own choice by now, not a try
+
+
+def test_draft_arm_is_weighed_with_its_forward_cost():
+    def picker(draft_seconds: float) -> Picker:
+        p = make_picker(0.3, dense)
+        p.arms, p.model_arms = ("ngram", "draft"), ("draft",)
+        p.global_acceptance["draft"] = AcceptanceEMA(4, 0.05, [0.9, 0.8, 0.7, 0.6])
+        p.draft_cost["draft"] = StepCostModel()
+        for b in (1, 2, 4):
+            p.record_draft_time("draft", b, 4, 4 * draft_seconds)
+        return p
+
+    both = [Candidate("a", 4, {"ngram": 4, "draft": 4})]
+    assert picker(0.01).choose(both)["a"] == Choice("draft", 4)
+    # a draft forward as dear as a target step: the cheap n-gram drafts win
+    assert picker(1.0).choose(both)["a"].arm == "ngram"
+
+
+# ---- measurements --------------------------------------------------------------------------
+def test_step_cost_bounds():
+    c = StepCostModel(alpha=0.5)
+    assert c.upper(7) == c.lower(7) == 7.0  # nothing measured: linear
+    c.record(2, 2.0)
+    c.record(8, 4.0)
+    assert c.upper(2) == c.lower(2) == 2.0
+    assert c.upper(4) == 4.0 and c.lower(4) == 2.0  # min(t8, t2*4/2), max(t2, t8*4/8)
+    assert c.upper(1) == 2.0 and c.lower(1) == 1.0
+    assert c.upper(16) == 8.0 and c.lower(16) == 4.0
+    c.record(8, 6.0)  # EMA
+    assert c.measured() == {2: 2.0, 8: 5.0}
+    c.record(3, 1.0)  # noise: 3 tokens measured faster than 2
+    assert c.uppers(2, 3) == [2.0, 2.0, 2.0]
+
+
+def test_acceptance_ema_updates_reached_positions_only():
+    e = AcceptanceEMA(4, 0.5, [0.5, 0.5, 0.5, 0.5])
+    e.update(2, 1)  # draft 0 accepted, draft 1 rejected, 2 and 3 not proposed
+    assert e.values == [0.75, 0.25, 0.5, 0.5]
+    assert e.curve() == [0.75, 0.25, 0.25, 0.25]  # non-increasing
+    assert e.expected_accepted(2) == 1.0
+
+
+def test_spec_stats_counters():
+    s = SpecStats()
+    s.record("ngram", 4, 2)
+    s.record("ngram", 2, 2, explore=True)
+    s.record("draft", 3, 0)
+    s.record_plain(5)
+    ng = s.arms["ngram"]
+    assert ng.tau == 1 + 4 / 2  # accepted + 1 per verify step
+    assert ng.acceptance_rate == 4 / 6
+    assert ng.acceptance_by_position == [1.0, 1.0, 0.0, 0.0]
+    tot = s.total
+    assert (tot.num_verify_steps, tot.num_draft_tokens, tot.num_accepted_tokens) == (3, 9, 4)
+    d = s.as_dict()
+    assert d["plain_steps"] == 5 and d["total"]["explore_steps"] == 1
+    assert set(d["by_proposer"]) == {"draft", "ngram"}
+    with pytest.raises(ValueError):
+        s.record("ngram", 2, 3)
+
+
+def test_spec_config_validation():
+    assert SpecConfig().proposer_names == ()
+    assert SpecConfig(mode="auto").proposer_names == ("ngram",)
+    assert SpecConfig(mode="auto", draft_model="d.gguf").proposer_names == ("ngram", "draft")
+    with pytest.raises(RequestError, match="--speculative"):
+        SpecConfig(mode="eagle")
+    with pytest.raises(RequestError, match="--draft-model"):
+        SpecConfig(mode="draft")
+    with pytest.raises(RequestError):
+        SpecConfig(mode="ngram", ngram_min=3, ngram_max=2)
+
+
+# ---- the speculator against a simulated target ----------------------------------------------
+def simulate(
+    prompts: dict[str, list[int]],
+    truth: dict[str, list[int]],
+    cost: Callable[[int], float],
+    spec: Speculator | None,
+) -> tuple[dict[str, list[int]], float]:
+    """Run the scheduler with a target whose greedy output is `truth`: verification accepts
+    drafts while they match it (the StepPlan contract). Returns outputs and simulated time."""
+    # One block per request: Scheduler._schedule_running asks the allocator for a negative
+    # number of blocks when rejected drafts left a request holding more than it needs
+    # (reported to the scheduler's owner); a single block never triggers that.
+    sched = Scheduler(
+        block_size=1024,
+        num_blocks=8,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+    )
+    reqs = []
+    for rid, prompt in prompts.items():
+        params = SamplingParams(temperature=0, max_tokens=len(truth[rid]), ignore_eos=True)
+        reqs.append(Request(rid, list(prompt), params))
+        sched.add_request(reqs[-1])
+    total = 0.0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        sampled = {}
+        for s in plan.scheduled:
+            if not s.sample:
+                continue
+            want = truth[s.request_id][len(s.output_token_ids) :]
+            a = 0
+            while a < len(s.draft_token_ids) and s.draft_token_ids[a] == want[a]:
+                a += 1
+            sampled[s.request_id] = want[: a + 1]
+        seconds = cost(plan.num_tokens)
+        total += seconds
+        if spec:
+            spec.observe(plan, sampled, seconds)
+        sched.update(plan, sampled)
+        if spec:
+            spec.draft(sched.running)
+    return {r.request_id: r.output_token_ids for r in reqs}, total
+
+
+def workload(kind: str, n_req: int = 3, n_out: int = 150, seed: int = 0):
+    rng = random.Random(seed)
+    prompts, truth = {}, {}
+    for i in range(n_req):
+        pattern = rng.sample(range(5000), 40)
+        if kind == "copy":  # the output keeps repeating the prompt's pattern
+            prompts[f"r{i}"] = pattern * 2
+            truth[f"r{i}"] = [pattern[j % 40] for j in range(n_out)]
+        elif kind == "fresh":  # nothing to copy
+            prompts[f"r{i}"] = pattern
+            truth[f"r{i}"] = [rng.randrange(5000) for _ in range(n_out)]
+        else:  # copies, but every `period`-th token departs from the pattern
+            period = 3 if kind == "adversarial" else 4  # 3: every n-gram draft is rejected
+            prompts[f"r{i}"] = pattern * 2
+            truth[f"r{i}"] = [
+                pattern[j % 40] if j % period else rng.randrange(5000) for j in range(n_out)
+            ]
+    return prompts, truth
+
+
+def ngram_speculator() -> Speculator:
+    config = SpecConfig(mode="ngram")
+    return Speculator(config, [NgramProposer(config.ngram_min, config.ngram_max)])
+
+
+@pytest.mark.parametrize("kind", ["copy", "fresh", "adversarial", "partial"])
+@pytest.mark.parametrize("cost", [dense, moe], ids=["dense", "moe"])
+def test_speculation_is_exact_and_never_slower(kind, cost):
+    prompts, truth = workload(kind)
+    plain_out, plain_time = simulate(prompts, truth, cost, None)
+    spec = ngram_speculator()
+    out, spec_time = simulate(prompts, truth, cost, spec)
+    assert out == plain_out == truth
+    assert spec_time <= 1.02 * plain_time, spec.stats.as_dict()
+    if kind == "copy":
+        # copying pays on both targets; with cheap verification it pays a lot
+        assert spec.stats.total.tau > 1.8
+        assert spec_time < (0.5 if cost is dense else 0.95) * plain_time
+    if kind == "partial" and cost is dense:
+        assert spec_time < 0.9 * plain_time
+
+
+def test_speculator_releases_finished_requests():
+    prompts, truth = workload("copy", n_req=2, n_out=30)
+    spec = ngram_speculator()
+    simulate(prompts, truth, dense, spec)
+    # finished ids reach the speculator with the next plan; an empty step delivers them
+    from moestream.types import StepPlan
+
+    spec.observe(StepPlan(finished_ids=list(prompts)), {})
+    assert spec.proposers["ngram"].num_requests == 0
+    assert not spec.picker._requests
