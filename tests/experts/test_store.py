@@ -1,0 +1,212 @@
+"""Expert store: placement from budgets, budgets as hard limits (also under concurrent
+prefetch), counters, the slot table for fused kernels, and `info --budgets` data."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import moestream
+from moestream.config import CacheConfig, SchedConfig
+from moestream.engine import Engine
+from moestream.errors import CapacityError, RequestError
+from moestream.experts import (
+    ExpertBudgets,
+    ExpertLayout,
+    build_expert_store,
+    describe_placement,
+    format_placement,
+    load_streamed_model,
+    metric_families,
+    plan_placement,
+    traffic_per_token,
+)
+from moestream.models.registry import build_model
+from moestream.types import SamplingParams
+from moestream.weights.loader import open_model
+
+DEMO = Path(moestream.__file__).parent / "data" / "tiny-qwen3-moe-Q4_K_M.gguf"
+GIB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def source():
+    return open_model(DEMO)
+
+
+@pytest.fixture(scope="module")
+def layout(source) -> ExpertLayout:
+    c = source.config
+    return ExpertLayout.from_gguf(source.gguf, c.n_experts, c.n_experts_used)
+
+
+def per_slot(layout: ExpertLayout) -> int:
+    """Bytes of one slot in every layer (layers 2 and 5 have bigger Q6_K down experts)."""
+    return sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+
+
+def test_placement_splits_the_budget_in_whole_experts(layout: ExpertLayout) -> None:
+    eb = [layout.expert_bytes(i) for i in range(layout.n_layers)]
+    assert len(set(eb)) == 2  # uneven layers: the split must handle them
+    for device in range(per_slot(layout) * 2, per_slot(layout) * 9, 97_531):
+        for host in (0, 1_000_000, per_slot(layout) * 3 + 5):
+            budgets = ExpertBudgets(device / GIB, host / GIB)
+            p = plan_placement(layout, budgets, staging_experts=2)
+            assert p.device_bytes <= budgets.device_bytes
+            assert p.host_bytes <= budgets.host_bytes
+            assert all(2 <= s <= 8 for s in p.device_slots)
+            # no layer could take one more expert with what is left
+            left = budgets.device_bytes - p.device_bytes
+            assert all(s == 8 or b > left for s, b in zip(p.device_slots, eb))
+            assert all(h == 0 for s, h in zip(p.device_slots, p.host_slots) if s == 8)
+    p = plan_placement(layout, ExpertBudgets())  # no budget: everything resident
+    assert p.fully_resident and p.device_bytes == layout.total_bytes
+
+
+def test_budget_errors(layout: ExpertLayout) -> None:
+    smallest = 2 * per_slot(layout)
+    plan_placement(layout, ExpertBudgets(smallest / GIB))  # exactly top_k per layer: runs
+    with pytest.raises(CapacityError, match=r"smallest that can run is 0\.0026 GiB"):
+        plan_placement(layout, ExpertBudgets((smallest - 1) / GIB))
+    with pytest.raises(RequestError, match="--gpu-expert-cache-gib"):
+        ExpertBudgets(gpu_expert_cache_gib=0)
+    with pytest.raises(RequestError, match="--host-expert-cache-gib"):
+        ExpertBudgets(1.0, host_expert_cache_gib=-1)
+
+
+def test_traffic_per_token_and_info_text(layout: ExpertLayout) -> None:
+    budgets = ExpertBudgets(4 * per_slot(layout) / GIB, 2 * per_slot(layout) / GIB)
+    summary = describe_placement(DEMO, budgets, device_hit_rate=0.75, host_hit_rate=0.5)
+    t = summary["per_token"]
+    assert t["expert_bytes_read"] == 2 * per_slot(layout)
+    assert t["bytes_to_device"] == pytest.approx(0.25 * 2 * per_slot(layout))
+    assert t["bytes_from_disk"] == pytest.approx(0.5 * t["bytes_to_device"])
+    uniform = traffic_per_token(plan_placement(layout, budgets))
+    assert uniform["bytes_to_device"] == pytest.approx(0.5 * 2 * per_slot(layout))  # 4 of 8
+    text = format_placement(summary)
+    assert "device slots     4 of 8 per layer" in text and "device hit rate 0.75" in text
+
+
+def test_allocated_buffers_stay_within_budgets(source, layout: ExpertLayout) -> None:
+    budgets = ExpertBudgets(3.5 * per_slot(layout) / GIB, 2.2 * per_slot(layout) / GIB)
+    with build_expert_store(source, source.config, budgets, warm=False) as store:
+        alloc = store.allocated_bytes()
+        assert alloc["device"] <= budgets.device_bytes and alloc["host"] <= budgets.host_bytes
+        real = sum(b.numel() for t in store.device_tiers for b in t.buffers.buffers)
+        assert real == alloc["device"] == store.placement.device_bytes
+
+
+def generate(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[i] for i in ids]
+
+
+def engine_for(model, tokenizer) -> Engine:
+    return Engine(model, tokenizer, CacheConfig(enable_prefix_caching=False), SchedConfig())
+
+
+def test_concurrent_prefetch_changes_nothing_and_keeps_budgets(source, layout) -> None:
+    """Three threads prefetch random experts of random layers and check the store's invariants
+    while the engine generates: same tokens as resident, no slot over budget at any time."""
+    tok = source.tokenizer()
+    prompts = [tok.encode(s) for s in ("def add(a, b):\n", "class Stack:\n", "x = [i * i for")]
+    want = generate(engine_for(build_model(source), tok), prompts)
+    budgets = ExpertBudgets(3 * per_slot(layout) / GIB, 2 * per_slot(layout) / GIB)
+    model, store = load_streamed_model(DEMO, budgets, io_threads=2)
+    before = store.allocated_bytes()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def hammer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                layer = rng.randrange(layout.n_layers)
+                store.prefetch(layer, rng.sample(range(8), rng.randint(1, 4)))
+                store.check()
+                for tier in store.device_tiers:
+                    assert len(tier.dir) <= tier.n_slots
+                time.sleep(0.001)  # leave the engine thread some of the GIL
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        got = generate(engine_for(model, tok), prompts)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert got == want
+    assert store.allocated_bytes() == before
+    assert store.counters["prefetch_issued"] > 0
+    store.check()
+    store.close()
+
+
+def test_counters_add_up(source, layout) -> None:
+    budgets = ExpertBudgets(2 * per_slot(layout) / GIB)  # host tier 0: every miss from disk
+    model, store = load_streamed_model(DEMO, budgets)
+    tok = source.tokenizer()
+    prompt = tok.encode("def main():\n    parser = argparse.ArgumentParser(")
+    generate(engine_for(model, tok), [prompt])
+    s = store.counters.snapshot()
+    assert s["tokens"] == len(prompt) + 9  # the prefill, then one token per decode step
+    assert s["disk_reads"] == s["host_misses"] and s["host_hits"] == 0
+    assert s["bytes_from_disk"] == s["bytes_to_device"] > 0  # CPU: read straight into slots
+    loads = s["device_misses"] + s["prefetch_issued"]
+    assert s["disk_reads"] <= loads  # a late prefetch is one read, counted twice
+    assert s["stalls"] > 0 and s["stall_ms_per_token"] > 0
+    # pre-gating on the trained model predicts far better than chance (k / E = 0.25)
+    assert s["prediction_recall"] > 0.6
+    names = {name for name, *_ in metric_families(s)}
+    assert {"moestream_expert_device_hits", "moestream_expert_stall_s"} <= names
+    assert "moestream_expert_prefetch_accuracy" in names
+    store.close()
+
+
+def test_acquire_pins_experts_and_fills_the_slot_table(source, layout) -> None:
+    budgets = ExpertBudgets(3 * per_slot(layout) / GIB)
+    with build_expert_store(source, source.config, budgets) as store:
+        experts = store.layers[4]
+        table = experts.acquire([6, 1, 6])
+        slots = table.tolist()
+        assert slots[1] >= 0 and slots[6] >= 0 and slots[1] != slots[6]
+        assert sum(s >= 0 for s in slots) <= 3
+        gate, up, down = experts.stacked()
+        assert gate.shape == (3, 256, 512) and down.shape == (3, 512, 256)
+        for e in (1, 6):
+            for stacked, name in zip(
+                (gate, up, down), ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), strict=True
+            ):
+                want = source.tensors[f"blk.4.{name}.weight"].data[e]
+                assert torch.equal(stacked.data[slots[e]], want)
+        # pinned: prefetching two other experts cannot evict them (one slot is free to take)
+        store.prefetch(4, [2, 3])
+        store.drain()
+        assert experts.tier.dir.is_mapped(1) and experts.tier.dir.is_mapped(6)
+        experts.release()
+        with pytest.raises(ValueError, match="do not fit"):
+            experts.acquire([0, 1, 2, 3])
+        store.check()
