@@ -112,7 +112,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            raise RequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
@@ -139,7 +141,7 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         """Plan, run, commit: one forward pass. Outputs for requests that got tokens."""
         plan = self.scheduler.schedule()
-        if plan.is_empty and self.scheduler.has_unfinished():
+        if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
         result = self.runner.execute(plan)
         return self._commit(plan, result)

@@ -102,30 +102,37 @@ def write_kv(
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def paged_attention_ref(
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, b: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's cached K and V, float32 [L, g, D] each (L = its context length)."""
+    ctx = attn.seq_lens_cpu[b]
+    table = attn.block_tables[b, : -(-ctx // attn.block_size)]  # [nb]
+    k = k_cache[table].flatten(0, 1)[:ctx].float()
+    v = v_cache[table].flatten(0, 1)[:ctx].float()
+    return k, v
+
+
+def paged_attention_per_query(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Reference attention: q [T, n, D] against each sequence's cached context -> [T, n, D].
+    """Attention with each query computed on its own: batch-invariant (the CPU reference).
 
-    In float32: gather a sequence's K/V through its block table, then for each query at
-    position p: softmax(q k[0..p]^T * scale) v[0..p]. Every query is computed on its own, over
-    exactly its p + 1 visible keys (no mask), so its result is the same bits whether it comes
-    alone (decode), in a prefill chunk of any size, or next to other sequences: the shapes and
-    values of every op depend only on p and the K/V of positions 0..p.
+    For the query at position p: softmax(q k[0..p]^T * scale) v[0..p] over exactly its p + 1
+    visible keys (no mask), so its result is the same bits whether it comes alone (decode), in
+    a prefill chunk of any size, or next to other sequences: the shapes and values of every op
+    depend only on p and the K/V of positions 0..p.
     """
     n_heads, n_kv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     n_rep = n_heads // n_kv
     out = torch.empty_like(q)
     row = 0
     for b, (n_new, ctx) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu, strict=True)):
-        n_blocks = -(-ctx // attn.block_size)
-        table = attn.block_tables[b, :n_blocks]  # [nb]
-        k = k_cache[table].flatten(0, 1)[:ctx].float()  # [L, g, D]
-        v = v_cache[table].flatten(0, 1)[:ctx].float()
+        k, v = _gather_kv(k_cache, v_cache, attn, b)  # [L, g, D]
         k_t = k.permute(1, 2, 0)  # [g, D, L]
         v_h = v.transpose(0, 1)  # [g, L, D]
         for i in range(n_new):
@@ -137,6 +144,51 @@ def paged_attention_ref(
             out[row + i] = o.reshape(n_heads, d).to(q.dtype)
         row += n_new
     return out
+
+
+def paged_attention_per_sequence(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with each sequence's queries computed together under a causal mask (few
+    launches: the GPU reference). A sequence's result does not depend on its neighbours, but a
+    query's may depend (in the last bits) on how many queries share its step."""
+    n_heads, n_kv = q.shape[1], k_cache.shape[2]
+    n_rep = n_heads // n_kv
+    out = torch.empty_like(q)
+    row = 0
+    for b, (n_new, ctx) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu, strict=True)):
+        k, v = _gather_kv(k_cache, v_cache, attn, b)  # [L, g, D]
+        k = k.repeat_interleave(n_rep, dim=1).transpose(0, 1)  # [n, L, D]
+        v = v.repeat_interleave(n_rep, dim=1).transpose(0, 1)
+        qb = q[row : row + n_new].float().transpose(0, 1)  # [n, Tb, D]
+        scores = torch.matmul(qb, k.transpose(1, 2)) * scale  # [n, Tb, L]
+        q_pos = torch.arange(ctx - n_new, ctx, device=q.device)  # [Tb]
+        k_pos = torch.arange(ctx, device=q.device)  # [L]
+        visible = k_pos[None, :] <= q_pos[:, None]  # [Tb, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[row : row + n_new] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+        row += n_new
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Reference attention: q [T, n, D] against each sequence's cached context -> [T, n, D],
+    in float32. CPU: `paged_attention_per_query` (batch-invariant); other devices:
+    `paged_attention_per_sequence` (one launch per op and sequence, not per query)."""
+    if q.device.type == "cpu":
+        return paged_attention_per_query(q, k_cache, v_cache, attn, scale)
+    return paged_attention_per_sequence(q, k_cache, v_cache, attn, scale)
 
 
 class Attention:

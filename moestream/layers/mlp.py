@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moestream.layers.linear import linear
 from moestream.weights.qtensor import QTensor
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x), written as x / (1 + exp(-x)).
+    """x * sigmoid(x); on the CPU written as x / (1 + exp(-x)) in float32.
 
-    Not `F.silu`: on the CPU, ATen's silu takes a scalar path for the tail of a tensor (and at
+    Not `F.silu` on the CPU: ATen's silu takes a scalar path for the tail of a tensor (and at
     the edges of each thread's chunk) whose results differ from its vector path in the last bit,
     so an element's value would depend on where it sits in the batch. Each op here is either
-    exactly rounded or (exp) gives the same bits on both paths.
+    exactly rounded or (exp) gives the same bits on both paths. Other devices use `F.silu`.
     """
-    return x / (1 + torch.exp(-x))
+    if x.device.type != "cpu":
+        return F.silu(x)
+    x32 = x.float()
+    return (x32 / (1 + torch.exp(-x32))).to(x.dtype)
 
 
 def gated_mlp(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:

@@ -38,9 +38,7 @@ class StackedExperts:
             raise ValueError("gate, up and down stacks hold different expert counts")
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
         # Per-expert views, made once (slicing a QTensor validates it: not free per call).
-        self._views = [
-            (gate_exps[e], up_exps[e], down_exps[e]) for e in range(gate_exps.shape[0])
-        ]
+        self._views = [(gate_exps[e], up_exps[e], down_exps[e]) for e in range(gate_exps.shape[0])]
 
     @property
     def num_experts(self) -> int:
