@@ -69,6 +69,38 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
     )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: one per core; 1 is fastest for small models on "
+        "a busy machine)",
+    )
+    e = p.add_argument_group("expert tiers (MoE models larger than the device)")
+    _budget_args(e)
+    e.add_argument(
+        "--expert-policy",
+        default="window",
+        choices=["window", "lru", "lfu"],
+        help="which experts stay in device slots: frequency over a window of recent tokens, "
+        "least recently used, or least frequently used",
+    )
+
+
+def _budget_args(g) -> None:
+    g.add_argument(
+        "--gpu-expert-cache-gib",
+        type=float,
+        default=None,
+        help="device memory for expert slots; experts that do not fit stream in from host RAM "
+        "or the file (default: all experts resident)",
+    )
+    g.add_argument(
+        "--host-expert-cache-gib",
+        type=float,
+        default=0.0,
+        help="host RAM (pinned on a GPU machine) caching experts read from the file",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="architecture, parameters, quant mix and bytes per token")
     p.add_argument("model", help="GGUF file or Hugging Face folder")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    b = p.add_argument_group("placement under expert budgets")
+    _budget_args(b)
+    b.add_argument(
+        "--hit-rate",
+        type=float,
+        default=None,
+        help="assumed device-slot hit rate for the bytes-per-token estimate",
+    )
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("convert", help="write a GGUF from a Hugging Face folder")
@@ -178,19 +218,28 @@ def _sampling_from(args: argparse.Namespace):
     )
 
 
+def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """The engine flags of `_engine_args` as keyword arguments of `LLM` (one mapping for every
+    command that builds an LLM)."""
+    return {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "kv_cache_gib": args.kv_cache_gib,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "num_threads": args.threads,
+        "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
+        "host_expert_cache_gib": args.host_expert_cache_gib,
+        "expert_policy": args.expert_policy,
+    }
+
+
 def _llm_from(args: argparse.Namespace):
     from moestream.llm import LLM
 
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
+    return LLM(args.model, **llm_kwargs_from_args(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -248,6 +297,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     info = model_info(args.model)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
+    if args.gpu_expert_cache_gib is not None:
+        from moestream.experts import ExpertBudgets, describe_placement, format_placement
+
+        budgets = ExpertBudgets(args.gpu_expert_cache_gib, args.host_expert_cache_gib)
+        placement = describe_placement(args.model, budgets, args.hit_rate)
+        print(json.dumps(placement, indent=2) if args.json else format_placement(placement))
     return 0
 
 

@@ -19,6 +19,12 @@ import torch
 from moestream.config import CacheConfig, SchedConfig
 from moestream.engine import Engine, EngineOutput
 from moestream.errors import RequestError
+from moestream.experts import (
+    ExpertBudgets,
+    attach_expert_store,
+    build_expert_store,
+    defer_expert_tensors,
+)
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
 from moestream.runner.model_runner import TokenLogprobs
@@ -80,6 +86,9 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
         num_threads: int | None = None,
+        gpu_expert_cache_gib: float | None = None,
+        host_expert_cache_gib: float = 0.0,
+        expert_policy: str = "window",
     ):
         self.device = resolve_device(device)
         if num_threads is not None:
@@ -95,7 +104,17 @@ class LLM:
         self.source = open_model(model if model is not None else default_model_path())
         self.config = self.source.config
         self.tokenizer = self.source.tokenizer()
-        self.model = build_model(self.source, device=self.device, dtype=act)
+        self.expert_store = None
+        budgets = ExpertBudgets(gpu_expert_cache_gib, host_expert_cache_gib)
+        if budgets.streaming:
+            # Experts live in tiers (device slots, host RAM, the file); the rest is resident.
+            self.expert_store = build_expert_store(
+                self.source, self.config, budgets, self.device, policy=expert_policy
+            )
+            self.model = build_model(defer_expert_tensors(self.source), self.device, act)
+            attach_expert_store(self.model, self.expert_store)
+        else:
+            self.model = build_model(self.source, device=self.device, dtype=act)
         self.engine = Engine(
             self.model,
             self.tokenizer,

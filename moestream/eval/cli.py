@@ -91,15 +91,9 @@ def add_eval_parser(
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "kv_cache_gib": args.kv_cache_gib,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": not args.no_prefix_caching,
-    }
+    from moestream.cli import llm_kwargs_from_args
+
+    return llm_kwargs_from_args(args)
 
 
 def _log(msg: str) -> None:

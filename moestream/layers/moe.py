@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from moestream.kernels import ops
 from moestream.layers.linear import linear
 from moestream.layers.mlp import gated_mlp
 from moestream.weights.qtensor import QTensor
@@ -37,6 +38,10 @@ class StackedExperts:
         if not (gate_exps.shape[0] == up_exps.shape[0] == down_exps.shape[0]):
             raise ValueError("gate, up and down stacks hold different expert counts")
         self.gate_exps, self.up_exps, self.down_exps = gate_exps, up_exps, down_exps
+        # Identity expert -> slot table for the fused kernel: every expert is resident.
+        self.expert_slot = torch.arange(
+            gate_exps.shape[0], dtype=torch.int32, device=gate_exps.device
+        )
         # Per-expert views, made once (slicing a QTensor validates it: not free per call).
         self._views = [(gate_exps[e], up_exps[e], down_exps[e]) for e in range(gate_exps.shape[0])]
 
@@ -46,6 +51,9 @@ class StackedExperts:
 
     def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
         return self._views[e]
+
+    def stacked(self) -> tuple[QTensor, QTensor, QTensor]:
+        return self.gate_exps, self.up_exps, self.down_exps
 
 
 def route(
@@ -82,6 +90,10 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype."""
         weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)  # [T, k]
+        if x.is_cuda and isinstance(self.experts, StackedExperts):
+            # One fused launch for all experts, no host sync (CUDA-graph friendly).
+            gate, up, down = self.experts.stacked()
+            return ops.moe_forward(x, ids, weights, gate, up, down, self.experts.expert_slot)
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         token_of = order // self.top_k  # [T*k] token of each grouped assignment
