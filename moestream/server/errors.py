@@ -2,7 +2,9 @@
 
 Body: `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`. Statuses: invalid
 JSON or parameters 400, missing or wrong API key 401, unknown model or route 404, body too large
-413, queue full 429 with Retry-After, engine stopped or shutting down 503, our own bugs 500.
+413, queue full 429 with Retry-After, engine stopped or shutting down 503, our own bugs and
+failures of the served model while running (a step that raised, an expert that could not be
+read from the model file) 500.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moestream.errors import MoestreamError
+from moestream.errors import CapacityError, MoestreamError, RequestError
 
 log = logging.getLogger("moestream.server")
 
@@ -71,8 +73,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_moestream_error(e: MoestreamError) -> APIError:
-    """Errors the user caused inside the engine (RequestError, CapacityError, ...): 400."""
-    return APIError(400, str(e), code=type(e).__name__)
+    """RequestError and CapacityError (the request can never run): 400. Any other
+    MoestreamError met while serving (ModelFormatError such as an ExpertReadError: the model
+    file failed under us) is the server's failure, not the request's: 500."""
+    status = 400 if isinstance(e, (RequestError, CapacityError)) else 500
+    return APIError(status, str(e), code=type(e).__name__)
 
 
 def internal_error(e: BaseException) -> APIError:
