@@ -55,8 +55,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present)")
     g.add_argument(
-        "--dtype", default=None, help="activation dtype: float32, bfloat16, float16 (default: "
-        "float32 on CPU, bfloat16 on GPU)"
+        "--dtype",
+        default=None,
+        help="activation dtype: float32, bfloat16, float16 (default: "
+        "float32 on CPU, bfloat16 on GPU)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument(
@@ -75,6 +77,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU threads for torch (default: one per core; 1 is fastest for small models on "
         "a busy machine)",
+    )
+    s = p.add_argument_group("speculative decoding (greedy output unchanged)")
+    s.add_argument(
+        "--speculative",
+        default="off",
+        choices=["off", "ngram", "draft", "auto"],
+        help="proposer: n-gram lookup over prompt and output, a draft model, or auto (both "
+        "where available; a cost model picks per request and step, and plain decode when "
+        "speculation does not pay)",
+    )
+    s.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="PATH",
+        help="draft model GGUF sharing the target's tokenizer (default: the embedded draft "
+        "when the target is the demo model; otherwise needed by --speculative draft, and "
+        "auto without it uses n-gram lookup only)",
+    )
+    s.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="most drafted tokens per request and step",
     )
     e = p.add_argument_group("expert tiers (MoE models larger than the device)")
     _budget_args(e)
@@ -233,6 +259,9 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
         "host_expert_cache_gib": args.host_expert_cache_gib,
         "expert_policy": args.expert_policy,
+        "speculative": args.speculative,
+        "draft_model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
 
 
@@ -320,7 +349,11 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     from moestream.weights.synth import synth_gguf
 
     out = synth_gguf(
-        args.like, args.quant, args.out, n_layers=args.layers, n_experts=args.experts,
+        args.like,
+        args.quant,
+        args.out,
+        n_layers=args.layers,
+        n_experts=args.experts,
         seed=args.seed,
     )
     print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
@@ -335,7 +368,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.command_line = ["moestream", *argv]  # recorded by bench and eval as the command run
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args) or 0

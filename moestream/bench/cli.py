@@ -163,7 +163,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from moestream.bench.compare import run_compare, sides_from_args
 
         sides = sides_from_args(args.compare, args.compare_checkouts)
-        result = run_compare(sides, _child_argv(args), args.rounds, argv=sys.argv, log=_log)
+        result = run_compare(
+            sides, _child_argv(args), args.rounds, argv=args.command_line, log=_log
+        )
     else:
         result = _run_single(args)
     write_report(result, out, json_only=args.json_only)
@@ -204,6 +206,6 @@ def _run_single(args: argparse.Namespace) -> dict[str, Any]:
         config,
         engine_config=_engine_config(args),
         measured_bandwidth_gbps=measured,
-        argv=sys.argv,
+        argv=args.command_line,
         log=_log,
     )

@@ -97,7 +97,7 @@ def _gemv_kernel(
             w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BLOCK_N, NG, G] each
             for mi in tl.static_range(M_BLOCK):
                 xr = x_ptr + mi * stride_xm + sb * 256
-                row_ok = (k0 >= 0) & (mi < M)
+                row_ok = (k0 * 0 + mi) < M  # a bool tensor (scalar & tensor is int32 in 3.9)
                 x0 = tl.load(xr + k0, mask=row_ok, other=0.0).to(tl.float32)
                 x1 = tl.load(xr + k1, mask=row_ok, other=0.0).to(tl.float32)
                 part = tl.sum(tl.sum(w0 * x0 + w1 * x1, axis=2), axis=1)  # [BLOCK_N]
