@@ -75,8 +75,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: one per core; 1 is fastest for small models on "
-        "a busy machine)",
+        help="CPU threads for torch (default: one per 256 MiB of weights, at most one per core: "
+        "small models run fastest on one)",
     )
     s = p.add_argument_group("speculative decoding (greedy output unchanged)")
     s.add_argument(

@@ -10,6 +10,7 @@ All prompts of one `generate` call run through the engine together (continuous b
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from moestream.experts import (
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
 from moestream.runner.model_runner import TokenLogprobs
+from moestream.spec.base import SpecConfig
 from moestream.types import SamplingParams
 from moestream.weights.loader import open_model
 
@@ -38,6 +40,39 @@ def default_model_path() -> Path:
     from moestream.cli import DEMO_MODEL
 
     return DEMO_MODEL
+
+
+def default_draft_model(model: str | Path | None) -> Path | None:
+    """The embedded draft model when `model` is the embedded demo target (None means the
+    demo), else None: a draft must share the target's tokenizer, so only the demo pair has one
+    by default."""
+    from moestream.cli import DEMO_DRAFT, DEMO_MODEL
+
+    if model is None or Path(model).resolve() == DEMO_MODEL.resolve():
+        return DEMO_DRAFT
+    return None
+
+
+def spec_config(
+    model: str | Path | None,
+    speculative: str | SpecConfig = "off",
+    draft_model: str | Path | None = None,
+    num_speculative_tokens: int | None = None,
+) -> SpecConfig:
+    """The SpecConfig of LLM's speculation arguments: a SpecConfig is taken as is; a mode
+    name (off, ngram, draft, auto) gets `draft_model`, or the embedded draft for the demo
+    target, and `num_speculative_tokens` (default 4). RequestError when draft mode has no
+    draft model."""
+    if isinstance(speculative, SpecConfig):
+        return speculative
+    uses_draft = speculative in ("draft", "auto")
+    if draft_model is None and uses_draft:
+        draft_model = default_draft_model(model)
+    return SpecConfig(
+        mode=speculative,
+        draft_model=str(draft_model) if draft_model is not None and uses_draft else None,
+        max_k=4 if num_speculative_tokens is None else num_speculative_tokens,
+    )
 
 
 @dataclass
@@ -54,6 +89,15 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+def default_cpu_threads(source) -> int:
+    """One CPU thread per 256 MiB of weights, at most one per core. Small models run fastest on
+    one thread: their matrices are too small to split, and every parallel region waits for its
+    slowest thread (on a busy 2-core machine the demo model ran at 26 tok/s on one thread and
+    at 1 tok/s on two)."""
+    nbytes = sum(source.tensors[name].nbytes for name in source.tensors)
+    return max(1, min(os.cpu_count() or 1, nbytes // (256 * 2**20)))
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,10 +111,7 @@ class LLM:
     """A model, its tokenizer and an `Engine` over them (see the module docstring).
 
     `num_threads` sets torch's intra-op CPU threads for the whole process
-    (`torch.set_num_threads`); None leaves torch's default of one per core. On a machine whose
-    cores are busy with other work, 1 is much faster for small models: every parallel region
-    waits for its slowest thread, and a descheduled thread costs a scheduler tick each time
-    (measured on the demo model, 2 shared cores: 26 tok/s with 1 thread, 1 tok/s with 2).
+    (`torch.set_num_threads`); None picks `default_cpu_threads` on the CPU.
     """
 
     def __init__(
@@ -89,11 +130,18 @@ class LLM:
         gpu_expert_cache_gib: float | None = None,
         host_expert_cache_gib: float = 0.0,
         expert_policy: str = "window",
+        speculative: str | SpecConfig = "off",
+        draft_model: str | Path | None = None,
+        num_speculative_tokens: int | None = None,
     ):
+        spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
+        if num_threads is not None and num_threads < 1:
+            raise RequestError(f"num_threads must be >= 1, got {num_threads}")
+        self.source = open_model(model if model is not None else default_model_path())
+        if num_threads is None and self.device.type == "cpu":
+            num_threads = default_cpu_threads(self.source)
         if num_threads is not None:
-            if num_threads < 1:
-                raise RequestError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
         if dtype is None:
             act = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -101,7 +149,6 @@ class LLM:
             act = _DTYPES[dtype]
         else:
             raise RequestError(f"unknown dtype {dtype!r} (use one of {', '.join(_DTYPES)})")
-        self.source = open_model(model if model is not None else default_model_path())
         self.config = self.source.config
         self.tokenizer = self.source.tokenizer()
         self.expert_store = None
@@ -121,6 +168,8 @@ class LLM:
             CacheConfig(block_size, kv_cache_gib, enable_prefix_caching),
             SchedConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
             device=self.device,
+            spec=spec,
+            vocab_tokens=self.source.metadata.get("tokenizer.ggml.tokens"),
         )
 
     # ---- generation --------------------------------------------------------------------
