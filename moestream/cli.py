@@ -19,26 +19,37 @@ DEMO_MODEL = Path(__file__).parent / "data" / "tiny-qwen3-moe-Q4_K_M.gguf"
 DEMO_DRAFT = Path(__file__).parent / "data" / "tiny-qwen3-draft-Q8_0.gguf"
 
 
-class _EnvDefaults(argparse.ArgumentParser):
-    """An ArgumentParser whose options default to MOESTREAM_* environment variables."""
+_TRUE = ("1", "true", "yes", "on")
 
-    def add_argument(self, *names: str, **kwargs):  # type: ignore[override]
-        long = next((n for n in names if n.startswith("--")), None)
-        if long is not None and kwargs.get("action") not in ("help", "version"):
-            env = "MOESTREAM_" + long[2:].upper().replace("-", "_")
-            value = os.environ.get(env)
-            if value is not None:
-                action = kwargs.get("action")
-                if action == "store_true":
-                    kwargs["default"] = value.lower() in ("1", "true", "yes", "on")
-                elif action == "store_false":
-                    kwargs["default"] = value.lower() not in ("1", "true", "yes", "on")
-                else:
-                    conv = kwargs.get("type", str)
-                    kwargs["default"] = conv(value) if callable(conv) else value
-            if "help" in kwargs and kwargs["help"] != argparse.SUPPRESS:
-                kwargs["help"] += f" [env {env}]"
-        return super().add_argument(*names, **kwargs)
+
+def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Let every long option of `parser` and its subcommands default to MOESTREAM_<OPTION>
+    (a flag on the command line still wins), and say so in --help. Done once the parser is
+    built so that options in argument groups are covered too."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _apply_env_defaults(sub)
+            continue
+        long = next((o for o in action.option_strings if o.startswith("--")), None)
+        if long is None or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        env = "MOESTREAM_" + long[2:].upper().replace("-", "_")
+        if action.help and action.help != argparse.SUPPRESS and env not in action.help:
+            action.help += f" [env {env}]"
+        value = os.environ.get(env)
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.lower() in _TRUE
+        elif isinstance(action, argparse._StoreFalseAction):
+            action.default = value.lower() not in _TRUE
+        else:
+            try:
+                action.default = action.type(value) if action.type else value
+            except ValueError:
+                print(f"moestream: error: {env}={value!r} is not valid for {long}", file=sys.stderr)
+                raise SystemExit(2) from None
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -70,6 +81,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of as CUDA graphs (CUDA only; for debugging)",
     )
     g.add_argument(
         "--threads",
@@ -141,12 +157,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _EnvDefaults(
+    parser = argparse.ArgumentParser(
         prog="moestream",
         description="Run Mixture-of-Experts language models from GGUF files.",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_EnvDefaults)
+    sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text from a prompt (streams to stdout)")
     _model_arg(p)
@@ -227,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _engine_args(p)
     p.set_defaults(func=_cmd_serve)
+    _apply_env_defaults(parser)
     return parser
 
 
@@ -255,6 +272,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "enforce_eager": args.enforce_eager,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
         "host_expert_cache_gib": args.host_expert_cache_gib,
