@@ -10,7 +10,7 @@ and hit tokens, preemptions and engine steps.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,8 +39,9 @@ _ITL_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, expert_store: Any = None) -> None:
         self._engine = engine
+        self._expert_store = expert_store
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats
@@ -80,6 +81,12 @@ class _EngineCollector:
         )  # fmt: skip
         yield counter("num_preemptions", "Requests preempted by the scheduler", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run", stats.steps)
+        if self._expert_store is not None:  # expert tiers: hits, misses, bytes, stalls
+            from moestream.experts import metric_families
+
+            for name, doc, kind, value in metric_families(self._expert_store.counters.snapshot()):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=value)
 
 
 class ServerMetrics:
@@ -116,9 +123,9 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def watch(self, engine: AsyncEngine) -> None:
-        """Export the engine's snapshot gauges and counters."""
-        self.registry.register(_EngineCollector(engine))
+    def watch(self, engine: AsyncEngine, expert_store: Any = None) -> None:
+        """Export the engine's snapshot gauges and counters (and the expert store's)."""
+        self.registry.register(_EngineCollector(engine, expert_store))
 
     # ---- observer hooks (called by AsyncEngine on the event loop) ---------------------------
     def on_output(

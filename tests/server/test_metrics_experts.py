@@ -1,0 +1,26 @@
+"""/metrics carries the expert-tier counters when experts are streamed."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from moestream import LLM
+
+
+def test_metrics_include_expert_counters(model_path) -> None:
+    from moestream.server.app import build_app
+    from moestream.server.serving import ServerConfig
+
+    llm = LLM(model_path, gpu_expert_cache_gib=0.004, num_threads=1)
+    assert llm.expert_store is not None
+    with TestClient(build_app(llm, ServerConfig(model_names=["m"]))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "def f(x):", "max_tokens": 4})
+        assert r.status_code == 200
+        text = c.get("/metrics").text
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln[:1] != "#"}
+    assert lines["moestream_expert_tokens_total"] > 0
+    accesses = lines["moestream_expert_device_hits_total"]
+    accesses += lines["moestream_expert_device_misses_total"]
+    assert accesses > 0
+    # A budget below the model's experts: some had to be read from the file.
+    assert lines["moestream_expert_bytes_from_disk_total"] > 0
