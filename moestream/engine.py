@@ -5,13 +5,20 @@
 request has an incremental detokenizer, stop strings are matched on the text and are never
 split across the chunks a client receives, and the text of the EOS or stop token that ended a
 request is left out (as OpenAI servers do).
+
+Speculative decoding (`spec`, see moestream/spec): after each step the speculator proposes
+drafts for the requests that decode next (`Request.draft_token_ids`); the scheduler feeds them,
+the runner verifies them in the same forward pass as every other request's tokens, and the
+scheduler commits the accepted ones. Greedy output is token for token that of plain decode.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +28,8 @@ from moestream.errors import CapacityError, RequestError
 from moestream.models.base import CausalLM
 from moestream.runner.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from moestream.sched.scheduler import Scheduler
+from moestream.spec.base import SpecConfig
+from moestream.spec.picker import Speculator
 from moestream.tokenizer import Tokenizer
 from moestream.types import Request, RequestOutput, RequestStatus, SamplingParams, StepPlan
 
@@ -37,6 +46,11 @@ class Engine:
     each `step` runs one forward pass over what the scheduler planned and returns an
     `EngineOutput` for every request that got new tokens; `abort` ends a request at any time.
     Every KV block a request holds returns to the pool when it finishes or is aborted.
+
+    `spec` turns on speculative decoding (None or mode "off": plain decode). A draft model is
+    loaded before the KV pool is sized, and its own KV pool gets as many blocks as the
+    target's, out of the same budget. `vocab_tokens` (the target GGUF's
+    `tokenizer.ggml.tokens`) lets the draft's vocabulary be checked token by token.
     """
 
     def __init__(
@@ -47,6 +61,8 @@ class Engine:
         sched: SchedConfig | None = None,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype | None = None,
+        spec: SpecConfig | None = None,
+        vocab_tokens: Sequence[str] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -58,7 +74,14 @@ class Engine:
             sched.max_model_len or model.config.context_length, model.config.context_length
         )
         kv_dtype = kv_dtype or (torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        num_blocks = self._num_blocks(cache, kv_dtype)
+        self._vocab_tokens = vocab_tokens
+        # Draft weights first: on a GPU the pool is sized from the memory left after them.
+        speculator = self.build_speculator(spec, draft_num_blocks=1) if spec else None
+        draft = speculator.draft_model if speculator else None
+        draft_bytes = draft.kv_bytes_per_block if draft else 0
+        num_blocks = self._num_blocks(cache, kv_dtype, draft_bytes)
+        if draft is not None:
+            draft.resize_kv(num_blocks)
         self.kv = model.make_kv_cache(num_blocks, cache.block_size, kv_dtype)
         self.scheduler = Scheduler(
             block_size=cache.block_size,
@@ -69,12 +92,14 @@ class Engine:
             enable_prefix_caching=cache.enable_prefix_caching,
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
+        self._speculator = speculator
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
 
-    def _num_blocks(self, cache: CacheConfig, kv_dtype: torch.dtype) -> int:
+    def _num_blocks(self, cache: CacheConfig, kv_dtype: torch.dtype, draft_bytes: int = 0) -> int:
+        """Blocks of the pool: `draft_bytes` per block go to the draft model's own pool."""
         c = self.model.config
-        bytes_per_block = (
+        bytes_per_block = draft_bytes + (
             2 * c.n_layers * cache.block_size * c.n_kv_heads * c.head_dim * kv_dtype.itemsize
         )
         if cache.kv_cache_gib is not None:
@@ -137,14 +162,92 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- speculative decoding ------------------------------------------------------------
+    @property
+    def speculator(self) -> Speculator | None:
+        return self._speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        """Swap speculation (benchmarks compare plain and speculative decode on one engine);
+        only between requests."""
+        if self.has_unfinished():
+            raise RuntimeError("the speculator can only change while no request is unfinished")
+        if self._speculator is not None and self._speculator is not speculator:
+            self._speculator.release_all()  # its requests' end would reach the next one only
+        self._speculator = speculator
+
+    def build_speculator(
+        self, spec: SpecConfig | None, draft_num_blocks: int | None = None
+    ) -> Speculator | None:
+        """A speculator for this engine's model (None when `spec` is off). Its draft KV pool
+        has `draft_num_blocks` blocks (default: as many as the target's pool, allocated on top
+        of it)."""
+        if spec is None or not spec.enabled:
+            return None
+        if draft_num_blocks is None:
+            draft_num_blocks = self.scheduler.allocator.num_blocks
+        return Speculator.from_config(
+            spec,
+            vocab_size=self.model.config.vocab_size,
+            target_tokens=self._vocab_tokens,
+            device=self.device,
+            dtype=self.model.dtype,
+            block_size=self.cache_config.block_size,
+            draft_num_blocks=draft_num_blocks,
+        )
+
+    def spec_stats(self) -> dict[str, Any] | None:
+        """Speculation counters (tau, acceptance by position, per proposer); None when off."""
+        return self._speculator.stats.as_dict() if self._speculator else None
+
+    def _may_speculate(self, request_id: str) -> bool:
+        """False for a request whose logits a logits processor changes (a grammar matcher
+        cannot take drafts it may refuse). A processor that cannot say (`in`) rules out all
+        while it holds any request."""
+        processor = self.runner.logits_processor
+        if processor is None:
+            return True
+        try:
+            return request_id not in processor  # type: ignore[operator]
+        except TypeError:
+            try:
+                return len(processor) == 0  # type: ignore[arg-type]
+            except TypeError:
+                return False
+
+    def _base_tokens(self) -> int:
+        """Tokens the next step feeds without drafts, as far as the queue tells: what running
+        requests have left to feed, then the prompts that may be admitted, within the budget."""
+        sched = self.scheduler
+        n = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
+        seats = self.sched_config.max_num_seqs - len(sched.running)
+        for req in itertools.islice(sched.waiting, max(0, seats)):
+            n += req.num_tokens - req.num_computed_tokens
+        return max(1, min(n, self.sched_config.max_num_batched_tokens))
+
+    def _propose_drafts(self, speculator: Speculator) -> None:
+        requests = [r for r in self.scheduler.running if self._may_speculate(r.request_id)]
+        speculator.draft(requests, self._base_tokens())
+
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Plan, run, commit: one forward pass. Outputs for requests that got tokens."""
+        """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
+        for requests that got tokens."""
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
+        start = time.perf_counter()
         result = self.runner.execute(plan)
-        return self._commit(plan, result)
+        spec = self._speculator
+        if spec is not None:
+            # A step that sampled ended in a host synchronisation: its time is the device's.
+            seconds = time.perf_counter() - start if result.sampled else None
+            spec.observe(plan, result.sampled, seconds)
+        outputs = self._commit(plan, result)
+        if spec is not None:
+            self._propose_drafts(spec)
+        return outputs
 
     def _commit(self, plan: StepPlan, result: RunnerOutput) -> list[EngineOutput]:
         """Hand the sampled tokens to the scheduler, then turn what it kept into text.

@@ -112,6 +112,9 @@ class LLM:
 
     `num_threads` sets torch's intra-op CPU threads for the whole process
     (`torch.set_num_threads`); None picks `default_cpu_threads` on the CPU.
+    `enforce_eager` runs every step eagerly; by default a CUDA model whose decode forward can
+    be captured runs pure decode steps as CUDA graphs (one per batch-size bucket, captured on
+    first use).
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class LLM:
         speculative: str | SpecConfig = "off",
         draft_model: str | Path | None = None,
         num_speculative_tokens: int | None = None,
+        enforce_eager: bool = False,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
@@ -171,6 +175,8 @@ class LLM:
             spec=spec,
             vocab_tokens=self.source.metadata.get("tokenizer.ggml.tokens"),
         )
+        if enforce_eager:  # no CUDA graphs for decode steps (runner/cuda_graph.py)
+            self.engine.runner.graphs = None
 
     # ---- generation --------------------------------------------------------------------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -24,7 +24,9 @@ Result (JSON, `"schema": "moestream.bench/1"`): `run`, `machine`, `git`, `model`
 and `decode` (`{"rows": [...]}`, each row with `samples`, the raw measurements). A section that
 does not apply is absent, never empty.
 
-Adding a section (concurrency sweep, speculative vs plain with tau, expert-tier counters): write
+`speculative` (spec_section.py): plain vs speculative decode with tau, when the LLM speculates.
+
+Adding a section (concurrency sweep, expert-tier counters): write
 a class with the `Section` members below (`run` returns the section's JSON or None when it does
 not apply, `metrics` the per-sample figures that `--compare` sets side by side, `table` the
 markdown table), and pass it in `run_bench(sections=...)` (the CLI appends it when its flag is
@@ -53,6 +55,7 @@ from moestream.bench.machine import (
     synchronize,
 )
 from moestream.bench.power import PowerSampler, open_power_sampler
+from moestream.bench.spec_section import SpecSection
 from moestream.errors import RequestError
 from moestream.types import SamplingParams
 
@@ -382,7 +385,7 @@ class DecodeSection:
         return head, rows
 
 
-SECTIONS: tuple[Section, ...] = (PrefillSection(), DecodeSection())
+SECTIONS: tuple[Section, ...] = (PrefillSection(), DecodeSection(), SpecSection())
 
 
 def section_by_name(name: str, sections: Sequence[Section] = SECTIONS) -> Section | None:

@@ -8,7 +8,12 @@ must give token-identical outputs:
 - chunked-batched: all prompts together with the 32-token budget (chunks mixed with decodes);
 - prefix-cache: prefix cache on; every prompt once to fill the cache, then again (the second
   pass is compared, and must have been served partly from the cache).
-Speculative modes join as `Mode` entries with their engine options in `overrides`.
+- speculative: n-gram drafts at every step (each prompt alone, and 8 at a time), the cost
+  picker as `--speculative auto` runs it (8 at a time), and, when a draft model is at hand
+  (`--draft-model`, or the embedded one for the demo target), draft-model drafts alone and 8 at
+  a time and both proposers mixed (`spec_modes`). "At every step" (`SpecConfig.always`) drafts
+  whenever a proposer has a guess, so that many drafts are verified, accepted and rejected;
+  each entry reports its verify steps, tau and acceptance rate.
 
 `--determinism N`: N fresh `LLM` instances each run the set batched; all outputs identical.
 Only one `LLM` lives at a time (each allocates its own KV pool).
@@ -23,15 +28,18 @@ from pathlib import Path
 from typing import Any
 
 from moestream.eval.prompts import LOSSLESS_PROMPTS
+from moestream.spec.base import SpecConfig
 from moestream.types import SamplingParams
 
 CHUNK_TOKENS = 32
+SPEC_CONCURRENCY = 8
 
 
 @dataclass
 class ModeRun:
     outputs: list[list[int]]
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache, when relevant
+    spec: dict[str, Any] | None = None  # speculation counters of the run, when it speculated
 
 
 @dataclass(frozen=True)
@@ -60,9 +68,31 @@ def cached_second_pass(llm: Any, prompts: list[str], params: SamplingParams) -> 
     return ModeRun([o.token_ids for o in outs], sum(o.num_cached_tokens for o in outs))
 
 
-_PLAIN = {"enable_prefix_caching": False}
+def _speculating(run: Callable[[Any, list[str], SamplingParams], ModeRun]):
+    """`run`, with the speculation counters of what it ran."""
+
+    def wrapped(llm: Any, prompts: list[str], params: SamplingParams) -> ModeRun:
+        before = llm.engine.spec_stats()["total"]
+        result = run(llm, prompts, params)
+        after = llm.engine.spec_stats()["total"]
+        steps = after["verify_steps"] - before["verify_steps"]
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        drafts = after["draft_tokens"] - before["draft_tokens"]
+        result.spec = {
+            "verify_steps": steps,
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "tau": 1.0 + accepted / steps if steps else 0.0,
+            "acceptance_rate": accepted / drafts if drafts else 0.0,
+        }
+        return result
+
+    return wrapped
+
+
+_PLAIN = {"enable_prefix_caching": False, "speculative": "off"}
 BASELINE = Mode("plain", "each prompt alone, prefix cache off", one_at_a_time, _PLAIN)
-MODES: tuple[Mode, ...] = (
+EXECUTION_MODES: tuple[Mode, ...] = (
     Mode("batched", "all prompts in one generate call", all_together, _PLAIN),
     Mode(
         "chunked",
@@ -80,9 +110,57 @@ MODES: tuple[Mode, ...] = (
         "prefix-cache",
         "prefix cache on, second pass over the set",
         cached_second_pass,
-        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": True, "speculative": "off"},
     ),
 )
+
+
+def spec_modes(draft_model: str | Path | None, max_k: int = 4) -> tuple[Mode, ...]:
+    """The speculative modes (module docstring); the draft-model ones only with a draft."""
+    c = SPEC_CONCURRENCY
+
+    def mode(name: str, what: str, run: Callable, spec: SpecConfig, batched: bool) -> Mode:
+        overrides: dict[str, Any] = {**_PLAIN, "speculative": spec}
+        if batched:
+            overrides["max_num_seqs"] = c
+        return Mode(name, what, _speculating(run), overrides)
+
+    def always(proposer: str) -> SpecConfig:
+        draft = str(draft_model) if proposer != "ngram" else None
+        return SpecConfig(mode=proposer, draft_model=draft, max_k=max_k, always=True)
+
+    modes = [
+        mode("spec-ngram", "n-gram drafts every step, each prompt alone",
+             one_at_a_time, always("ngram"), False),
+        mode("spec-ngram-c8", f"n-gram drafts every step, {c} at a time",
+             all_together, always("ngram"), True),
+        mode("spec-auto-c8", f"the cost picker (--speculative auto), {c} at a time",
+             all_together, SpecConfig(mode="auto", draft_model=draft_model and str(draft_model),
+                                      max_k=max_k), True),
+    ]  # fmt: skip
+    if draft_model is not None:
+        modes += [
+            mode("spec-draft", "draft-model drafts every step, each prompt alone",
+                 one_at_a_time, always("draft"), False),
+            mode("spec-draft-c8", f"draft-model drafts every step, {c} at a time",
+                 all_together, always("draft"), True),
+            mode("spec-mixed-c8", f"n-gram, else draft-model drafts every step, {c} at a time",
+                 all_together, always("auto"), True),
+        ]  # fmt: skip
+    return tuple(modes)
+
+
+# Every model can run these; `run_lossless` adds the draft-model modes when it has a draft.
+MODES: tuple[Mode, ...] = EXECUTION_MODES + spec_modes(None)
+
+
+def default_modes(model: str | Path, engine: dict[str, Any]) -> tuple[Mode, ...]:
+    """The execution modes and the speculative ones, with draft-model modes when `engine`
+    names a draft model or `model` is the demo target (its embedded draft)."""
+    from moestream.llm import default_draft_model
+
+    draft = engine.get("draft_model") or default_draft_model(model)
+    return EXECUTION_MODES + spec_modes(draft, engine.get("num_speculative_tokens") or 4)
 
 
 def first_mismatches(
@@ -121,6 +199,8 @@ def _check(name: str, description: str, expected: list[list[int]], run: ModeRun)
         "mismatches": first_mismatches(expected, run.outputs),
     }
     ok = identical == len(expected) and len(run.outputs) == len(expected)
+    if run.spec is not None:
+        entry["spec"] = run.spec
     if run.cached_tokens is not None:
         entry["cached_tokens"] = run.cached_tokens
         if run.cached_tokens == 0:
@@ -168,11 +248,14 @@ def run_lossless(
     engine: dict[str, Any],
     prompts: Sequence[str] = LOSSLESS_PROMPTS,
     max_tokens: int = 32,
-    modes: Sequence[Mode] = MODES,
+    modes: Sequence[Mode] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the baseline and every mode; JSON-able report with `passed`."""
+    """Run the baseline and every mode (default: `default_modes`); JSON-able report with
+    `passed`."""
     prompts, params = list(prompts), _params(max_tokens)
+    if modes is None:
+        modes = default_modes(model, engine)
     llms = _OneLLM(model, engine)
     try:
         if log:
@@ -236,6 +319,12 @@ def format_exactness(report: dict[str, Any], title: str) -> str:
         lines.append(f"baseline: {report['baseline']}")
     for r in report[key]:
         extra = f", {r['cached_tokens']} cached prompt tokens" if "cached_tokens" in r else ""
+        if "spec" in r:
+            sp = r["spec"]
+            extra = (
+                f", {sp['verify_steps']} verify steps, tau {sp['tau']:.2f}, "
+                f"{100 * sp['acceptance_rate']:.0f}% of drafts accepted"
+            )
         lines.append(
             f"  {r['mode']:16} {r['identical']}/{r['total']} identical{extra}  "
             f"{'pass' if r['passed'] else 'FAIL'}"

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from moestream.config import ModelConfig
-from moestream.layers.linear import Linear
-from moestream.layers.norm import RMSNorm
-from moestream.layers.rope import RotaryEmbedding
+from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, fuse_linears
+from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
+from moestream.layers.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass
@@ -29,24 +29,52 @@ class AttentionMetadata:
     seq_lens [B] int32: context length of each sequence after this step (new tokens included).
     block_tables [B, max_blocks] int32: block ids of each sequence, padded with 0.
     slot_mapping [T] int64: flat cache slot (block_id * block_size + offset) of each new token.
-    query_lens_cpu, seq_lens_cpu: host copies, so the reference path never synchronizes.
+    query_lens_cpu, seq_lens_cpu: host copies, so the reference path never synchronizes (None
+    in metadata made by `for_decode`, whose values live on the device only).
+    is_decode: every sequence has exactly one new token (the decode kernel's case).
+
+    A slot_mapping entry < 0 (padding rows of a CUDA graph bucket, with seq_lens 0) writes no
+    K/V; only the CUDA decode path accepts such rows.
     """
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int] | None
+    seq_lens_cpu: list[int] | None
     block_size: int
+    is_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.query_lens_cpu)
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def for_decode(
+        cls,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Decode metadata over device tensors only (static buffers of a CUDA graph): one new
+        token per sequence, no host copies, so only the CUDA decode path can read it."""
+        return cls(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            query_lens_cpu=None,
+            seq_lens_cpu=None,
+            block_size=block_size,
+            is_decode=True,
+        )
 
     @classmethod
     def build(
@@ -87,6 +115,7 @@ class AttentionMetadata:
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             block_size=block_size,
+            is_decode=all(n == 1 for n in query_lens),
         )
 
 
@@ -102,11 +131,18 @@ def write_kv(
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _host_lens(attn: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """(query_lens_cpu, seq_lens_cpu), which the reference paths need."""
+    if attn.query_lens_cpu is None or attn.seq_lens_cpu is None:
+        raise ValueError("this attention path needs host copies of the lengths (for_decode)")
+    return attn.query_lens_cpu, attn.seq_lens_cpu
+
+
 def _gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata, b: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence b's cached K and V, float32 [L, g, D] each (L = its context length)."""
-    ctx = attn.seq_lens_cpu[b]
+    ctx = _host_lens(attn)[1][b]
     table = attn.block_tables[b, : -(-ctx // attn.block_size)]  # [nb]
     k = k_cache[table].flatten(0, 1)[:ctx].float()
     v = v_cache[table].flatten(0, 1)[:ctx].float()
@@ -131,7 +167,7 @@ def paged_attention_per_query(
     n_rep = n_heads // n_kv
     out = torch.empty_like(q)
     row = 0
-    for b, (n_new, ctx) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu, strict=True)):
+    for b, (n_new, ctx) in enumerate(zip(*_host_lens(attn), strict=True)):
         k, v = _gather_kv(k_cache, v_cache, attn, b)  # [L, g, D]
         k_t = k.permute(1, 2, 0)  # [g, D, L]
         v_h = v.transpose(0, 1)  # [g, L, D]
@@ -160,7 +196,7 @@ def paged_attention_per_sequence(
     n_rep = n_heads // n_kv
     out = torch.empty_like(q)
     row = 0
-    for b, (n_new, ctx) in enumerate(zip(attn.query_lens_cpu, attn.seq_lens_cpu, strict=True)):
+    for b, (n_new, ctx) in enumerate(zip(*_host_lens(attn), strict=True)):
         k, v = _gather_kv(k_cache, v_cache, attn, b)  # [L, g, D]
         k = k.repeat_interleave(n_rep, dim=1).transpose(0, 1)  # [n, L, D]
         v = v.repeat_interleave(n_rep, dim=1).transpose(0, 1)
@@ -191,9 +227,69 @@ def paged_attention_ref(
     return paged_attention_per_sequence(q, k_cache, v_cache, attn, scale)
 
 
+def paged_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Reference of `kernels.paged_attention.paged_decode_attention` (same signature): one query
+    per sequence, q [B, n, D] at position seq_lens[b] - 1 against keys 0 .. seq_lens[b] - 1 of
+    caches [num_blocks, block_size, g, D] through block_tables [B, max_blocks] int32 ->
+    [B, n, D] in q's dtype, float32 math; seq_lens[b] == 0 gives zeros. Device tensors only (no
+    host sync): every sequence gathers all max_blocks blocks and masks past its length."""
+    b, n, d = q.shape
+    g, bs = k_cache.shape[2], k_cache.shape[1]
+    tables = block_tables.long()  # [B, nb]
+    k = k_cache[tables].flatten(1, 2).float()  # [B, L, g, D]
+    v = v_cache[tables].flatten(1, 2).float()
+    k = k.repeat_interleave(n // g, dim=2).permute(0, 2, 3, 1)  # [B, n, D, L]
+    v = v.repeat_interleave(n // g, dim=2).transpose(1, 2)  # [B, n, L, D]
+    scores = torch.matmul(q.float()[:, :, None, :], k)[:, :, 0] * scale  # [B, n, L]
+    visible = torch.arange(tables.shape[1] * bs, device=q.device)[None, :] < seq_lens[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows -> 0
+    return torch.matmul(probs[:, :, None, :], v)[:, :, 0].to(q.dtype)
+
+
+def qk_norm_rope_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    neox: bool,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Reference of `kernels.norm_rope.qk_norm_rope_kv` (same signature): per-head RMSNorm of
+    q [T, n, D] and k [T, g, D] where a weight is given, RoPE on both (NeoX or adjacent-pair
+    layout); q is overwritten with the result, k and v [T, g, D] go to the caches at
+    slot_mapping [T] (rows with a negative slot are skipped)."""
+    if q_weight is not None:
+        q = q.copy_(rms_norm(q, q_weight, eps))
+    if k_weight is not None:
+        k = rms_norm(k, k_weight, eps)
+    q.copy_(apply_rope(q, cos, sin, neox))
+    k = apply_rope(k, cos, sin, neox)
+    keep = slot_mapping >= 0
+    write_kv(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep])
+
+
 class Attention:
     """One layer's self-attention: QKV projections (+ biases), per-head q/k RMSNorm (Qwen3),
-    RoPE, cache write, paged attention, output projection."""
+    RoPE, cache write, paged attention, output projection.
+
+    On the kernel path (CUDA, triton) Q/K/V projections of one weight type are merged into one
+    matmul, norm + RoPE + cache write are one launch, and decode steps (one token per sequence)
+    use the split-context paged-attention kernel: no host sync, capturable in a CUDA graph.
+    Elsewhere the torch references run (per-query attention on the CPU, batch-invariant)."""
 
     def __init__(
         self,
@@ -209,9 +305,30 @@ class Attention:
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.o_proj = o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rope = rope
+        parts = [q_proj, k_proj, v_proj]
+        if q_proj.weight.device.type == "cuda":
+            self.projections = fuse_linears(parts)
+        else:
+            self.projections = [(p, [p.out_features]) for p in parts]
+
+    @property
+    def capturable(self) -> bool:
+        """No weight of this layer needs a host copy to dequantize (see HOST_TABLE_QTYPES)."""
+        weights = [p.weight for p, _ in self.projections] + [self.o_proj.weight]
+        return all(w.qtype not in HOST_TABLE_QTYPES for w in weights)
+
+    def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, n, D], k [T, g, D], v [T, g, D] (views of merged outputs)."""
+        outs: list[torch.Tensor] = []
+        for proj, sizes in self.projections:
+            y = proj(x)  # [T, sum(sizes)]
+            outs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        t, d = x.shape[0], self.head_dim
+        q, k, v = outs
+        return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
     def __call__(
         self,
@@ -224,15 +341,31 @@ class Attention:
     ) -> torch.Tensor:
         """x [T, H], cos/sin [T, R/2] -> [T, H]; writes this step's K/V into the caches."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)  # [T, n, D]
-        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)  # [T, g, D]
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)  # [T, g, D]
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        q = self.rope.apply(q, cos, sin)
-        k = self.rope.apply(k, cos, sin)
-        write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        o = paged_attention_ref(q, k_cache, v_cache, attn, self.scale)  # [T, n, D]
+        q, k, v = self._project_qkv(x)  # [T, n, D], [T, g, D], [T, g, D]
+        kernels = on_kernel_path(q)
+        if kernels:
+            from moestream.kernels.norm_rope import qk_norm_rope_kv
+
+            qn, kn = self.q_norm, self.k_norm
+            qk_norm_rope_kv(
+                q, k, v, cos, sin, None if qn is None else qn.weight,
+                None if kn is None else kn.weight, (qn or kn).eps if (qn or kn) else 0.0,
+                self.rope.neox, attn.slot_mapping, k_cache, v_cache,
+            )  # fmt: skip
+        else:
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            q = self.rope.apply(q, cos, sin)
+            k = self.rope.apply(k, cos, sin)
+            write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if kernels and attn.is_decode:
+            from moestream.kernels.paged_attention import paged_decode_attention
+
+            o = paged_decode_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale
+            )  # [T, n, D]
+        else:
+            o = paged_attention_ref(q, k_cache, v_cache, attn, self.scale)  # [T, n, D]
         return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))

@@ -17,9 +17,10 @@ The slicing depends only on the weight's shape, never on the batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
+from gguf import GGMLQuantizationType
 
 from moestream.kernels.ops import quant_matmul
 from moestream.layers.norm import vector_weight
@@ -27,6 +28,16 @@ from moestream.weights.qtensor import QTensor
 
 _ALIGN = 16  # floats: rows of K % 16 == 0 start on 64-byte boundaries, as fresh tensors do
 SLICE_VALUES = 1 << 18  # weight values dequantized at a time (1 MiB of float32)
+# Types whose torch dequantization builds its value table with `torch.tensor` (a host -> device
+# copy): a CUDA graph cannot capture that, so a model using them on the reference path runs eager.
+HOST_TABLE_QTYPES = frozenset(
+    {
+        GGMLQuantizationType.IQ4_NL,
+        GGMLQuantizationType.IQ4_XS,
+        GGMLQuantizationType.MXFP4,
+        GGMLQuantizationType.NVFP4,
+    }
+)
 
 
 def rowwise_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
@@ -78,13 +89,56 @@ class Linear:
             raise ValueError(f"linear weight must be 2-D, got shape {weight.shape}")
         self.weight = weight
         self.bias = None if bias is None else vector_weight(bias, weight.device)  # [N]
+        self._bias_cast: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    def _bias_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The bias in `dtype`, cast once (a float32 bias is used as it is)."""
+        assert self.bias is not None
+        if dtype not in self._bias_cast:
+            self._bias_cast[dtype] = self.bias.to(dtype)
+        return self._bias_cast[dtype]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)  # [M, K] -> [M, N]
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            y = y + self._bias_as(y.dtype)
         return y
+
+
+def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear, list[int]]]:
+    """Consecutive linears over the same input merged where their weights share a type: each
+    entry is (a linear, the output sizes of the parts it computes, in order).
+
+    Weights are concatenated along N (quantized rows are independent), biases likewise; parts
+    merge only when all or none of them have a bias. One launch then computes, e.g., Q, K and V.
+    Used on CUDA only: on the CPU the per-part matmuls are kept for their exact bits.
+    """
+    groups: list[list[Linear]] = []
+    for p in parts:
+        last = groups[-1][-1] if groups else None
+        if (
+            last is not None
+            and last.weight.qtype == p.weight.qtype
+            and last.weight.shape[1] == p.weight.shape[1]
+            and (last.bias is None) == (p.bias is None)
+        ):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    fused = []
+    for group in groups:
+        sizes = [p.out_features for p in group]
+        if len(group) == 1:
+            fused.append((group[0], sizes))
+            continue
+        w = group[0].weight
+        data = torch.cat([p.weight.data for p in group], dim=0)
+        merged = Linear(QTensor(data, w.qtype, (sum(sizes), w.shape[1])))
+        if group[0].bias is not None:
+            merged.bias = torch.cat([p.bias for p in group])  # type: ignore[misc]
+        fused.append((merged, sizes))
+    return fused

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.layers.linear import linear
+from moestream.layers.linear import HOST_TABLE_QTYPES, linear
 from moestream.weights.qtensor import QTensor
 
 
@@ -34,6 +34,11 @@ class GatedMLP:
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def capturable(self) -> bool:
+        """No host copy in the forward (see HOST_TABLE_QTYPES): a CUDA graph can capture it."""
+        return all(w.qtype not in HOST_TABLE_QTYPES for w in (self.gate, self.up, self.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(x, self.gate, self.up, self.down)

@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 
 from moestream.kernels import ops
-from moestream.layers.linear import linear
+from moestream.layers.linear import HOST_TABLE_QTYPES, linear
 from moestream.layers.mlp import gated_mlp
+from moestream.layers.norm import on_kernel_path
 from moestream.weights.qtensor import QTensor
 
 
@@ -62,12 +63,26 @@ def route(
     """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k] int64.
 
     Router logits and softmax in float32; the top-k probabilities are renormalised to sum to 1
-    when `norm_topk_prob`. torch.topk breaks ties by the lower index, deterministically.
+    when `norm_topk_prob`. torch.topk breaks ties by the lower index, deterministically. On the
+    kernel path softmax, top-k and renormalisation are one launch (`kernels.router`).
     """
     logits = linear(x.float(), router)  # [T, E] float32
-    probs = torch.softmax(logits, dim=-1)
+    if on_kernel_path(logits):
+        from moestream.kernels.router import topk_softmax
+
+        return topk_softmax(logits, top_k, norm_topk_prob)
+    return topk_softmax_ref(logits, top_k, norm_topk_prob)
+
+
+def topk_softmax_ref(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `kernels.router.topk_softmax` (same signature): logits [T, E] -> weights
+    [T, k] float32 (softmax probabilities, renormalised when asked) and expert ids [T, k] int64,
+    most probable first."""
+    probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
-    if norm_topk_prob:
+    if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
@@ -86,6 +101,17 @@ class SparseMoE:
         self.experts = experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+
+    @property
+    def capturable(self) -> bool:
+        """The forward has no host sync on CUDA (the fused kernel over resident stacks), so a
+        CUDA graph can capture it. Providers that stream experts are not capturable."""
+        if not isinstance(self.experts, StackedExperts):
+            return False
+        return self.router.qtype not in HOST_TABLE_QTYPES and all(
+            w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0
+            for w in self.experts.stacked()
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype."""

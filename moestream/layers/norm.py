@@ -1,10 +1,22 @@
-"""RMSNorm with float32 math, whatever the activation dtype."""
+"""RMSNorm with float32 math, whatever the activation dtype; and the residual add fused into it.
+
+On a CUDA activation with triton installed (`on_kernel_path`) the norm is one Triton launch
+(`kernels.norm_rope.add_rms_norm`) instead of a chain of ~8 elementwise ops; elsewhere the torch
+reference runs, unchanged bit for bit.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES
 from moestream.weights.qtensor import QTensor
+
+
+def on_kernel_path(x: torch.Tensor) -> bool:
+    """Whether the layers run their fused Triton kernels on `x`: a CUDA activation of a kernel
+    dtype, with triton installed. (Everything else runs the torch references.)"""
+    return x.is_cuda and HAS_TRITON and x.dtype in KERNEL_DTYPES
 
 
 def vector_weight(w: QTensor, device: torch.device | str) -> torch.Tensor:
@@ -30,6 +42,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * (x32 * torch.rsqrt(variance + eps))).to(x.dtype)
 
 
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Reference of `kernels.norm_rope.add_rms_norm`: rms_norm(residual + x) [T, H] in x's dtype;
+    when `residual` [T, H] is given it is set (in place) to residual + x in x's dtype."""
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    residual.copy_(residual + x)
+    return rms_norm(residual, weight, eps)
+
+
 class RMSNorm:
     """RMSNorm over the last dimension with a learned scale (float32 math)."""
 
@@ -38,4 +61,22 @@ class RMSNorm:
         self.eps = eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and on_kernel_path(x):
+            from moestream.kernels.norm_rope import add_rms_norm
+
+            return add_rms_norm(x, None, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) for x, residual [T, H] of one dtype.
+
+        On the kernel path the sum is written into `residual` (one launch for both); elsewhere
+        it is a new tensor and `residual` is left as it was."""
+        if on_kernel_path(x):
+            from moestream.kernels.norm_rope import add_rms_norm
+
+            return add_rms_norm(x, residual, self.weight, self.eps), residual
+        h = residual + x
+        return rms_norm(h, self.weight, self.eps), h

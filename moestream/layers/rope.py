@@ -117,7 +117,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool
 
 
 class RotaryEmbedding:
-    """A model's RoPE: frequencies fixed at build; angles computed per step from positions."""
+    """A model's RoPE: frequencies fixed at build; angles computed per step from positions.
+
+    On a CUDA device the cos/sin of every position up to the context length are tabulated once
+    at build ([L, R] float32: cos then sin), so a step looks its positions up in one gather
+    instead of computing them (the same float32 ops per element, so the same values); the CPU
+    computes them per step as before.
+    """
 
     def __init__(
         self,
@@ -128,11 +134,25 @@ class RotaryEmbedding:
         inv_freq, self.attention_scaling = rope_parameters(config, rope_freqs)
         self.inv_freq = inv_freq.to(device)  # [R/2] float32
         self.neox = config.rope_neox
+        self.cos_sin_table: torch.Tensor | None = None  # [L, R] float32 (CUDA only)
+        if torch.device(device).type == "cuda":
+            positions = torch.arange(config.context_length, device=device)
+            self.cos_sin_table = torch.cat(self._angles_cos_sin(positions), dim=-1).contiguous()
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> cos, sin [T, R/2] float32 (scaled by the attention factor)."""
+    def _angles_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> cos, sin [T, R/2] float32 (scaled by the attention factor).
+
+        On CUDA they are views of one gathered [T, R] tensor (unit last stride, row stride R);
+        positions must be below the model's context length there."""
+        if self.cos_sin_table is not None and positions.is_cuda:
+            half = self.inv_freq.shape[0]
+            cs = self.cos_sin_table[positions]  # [T, R]
+            return cs[:, :half], cs[:, half:]
+        return self._angles_cos_sin(positions)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, n, D] -> [T, n, D] rotated in this model's layout."""

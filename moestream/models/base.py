@@ -5,6 +5,9 @@ Embedding -> n x [RMSNorm -> attention -> residual -> RMSNorm -> FFN -> residual
 what the FFN of a layer is. Per-step inputs (positions, attention metadata, KV cache) are
 arguments, never state, so several models can run in one process.
 
+Each residual add is taken together with the norm that follows it (`RMSNorm.add_norm`: one
+launch on the kernel path); the values are those of the plain order above.
+
 Weights stay QTensors in their GGUF block format, moved to the device once at build; every
 matmul goes through `layers.linear.linear` (batch-invariant on the CPU, `kernels.ops` on a
 GPU). Activations are in `dtype`; norms, RoPE, attention
@@ -20,9 +23,9 @@ import torch
 from moestream.cache.kv_cache import PagedKVCache
 from moestream.config import ModelConfig
 from moestream.errors import ModelFormatError
-from moestream.kernels.ops import embedding
+from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES, embedding
 from moestream.layers.attention import Attention, AttentionMetadata
-from moestream.layers.linear import Linear, linear
+from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, linear
 from moestream.layers.norm import RMSNorm, vector_weight
 from moestream.layers.rope import RotaryEmbedding
 from moestream.weights.qtensor import QTensor
@@ -32,7 +35,10 @@ WeightGetter = Callable[[str], QTensor]
 
 
 class DecoderLayer:
-    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
+    """Pre-norm block on the residual stream r: h = r + attn(attn_norm(r)), then
+    r' = h + ffn(ffn_norm(h)). It takes attn_norm(r) already computed and hands back
+    next_norm(r') (the next layer's attn_norm, or the final norm), each norm fused with the
+    residual add before it."""
 
     def __init__(self, attn_norm: RMSNorm, attn: Attention, ffn_norm: RMSNorm, ffn: FFN):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
@@ -40,14 +46,19 @@ class DecoderLayer:
     def __call__(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor,
+        next_norm: RMSNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, attn, k_cache, v_cache)  # [T, H]
-        return h + self.ffn(self.ffn_norm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x = attn_norm(residual) [T, H] -> (next_norm(r'), r'); `residual` may be updated in
+        place (the kernel path)."""
+        a = self.attn(x, cos, sin, attn, k_cache, v_cache)  # [T, H]
+        h, residual = self.ffn_norm.add_norm(a, residual)  # norm(r + a), r + a
+        return next_norm.add_norm(self.ffn(h), residual)
 
 
 class CausalLM:
@@ -129,15 +140,37 @@ class CausalLM:
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 (the flattened batch) -> final-normed hidden [T, H].
 
-        Writes the new tokens' K/V into `kv` at `attn.slot_mapping`.
+        Writes the new tokens' K/V into `kv` at `attn.slot_mapping`. On the kernel path with
+        decode metadata (`attn.is_decode`) it makes no host synchronisation and allocates only
+        through the caching allocator: a CUDA graph can capture it (`supports_cuda_graphs`).
         """
-        x = embedding(input_ids, self.embed_tokens).to(self.dtype)  # [T, H]
+        residual = embedding(input_ids, self.embed_tokens).to(self.dtype)  # [T, H]
         cos, sin = self.rope.cos_sin(positions)  # [T, R/2]
+        if not self.layers:
+            return self.norm(residual)
+        x = self.layers[0].attn_norm(residual)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv.k[i], kv.v[i])
-        return self.norm(x)
+            last = i + 1 == len(self.layers)
+            next_norm = self.norm if last else self.layers[i + 1].attn_norm
+            x, residual = layer(x, residual, next_norm, cos, sin, attn, kv.k[i], kv.v[i])
+        return x
 
     __call__ = forward
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode steps can run as CUDA graphs: a CUDA model on the Triton kernel path
+        whose every layer is capturable (no host sync, no host copies: resident experts on the
+        fused MoE kernel, no weight type that dequantizes through a host table)."""
+        return (
+            self.device.type == "cuda"
+            and HAS_TRITON
+            and self.dtype in KERNEL_DTYPES
+            and self.embed_tokens.qtype not in HOST_TABLE_QTYPES
+            and self.lm_head.qtype not in HOST_TABLE_QTYPES
+            and all(layer.attn.capturable for layer in self.layers)
+            and all(getattr(layer.ffn, "capturable", False) for layer in self.layers)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

@@ -1,29 +1,26 @@
 """Speculative decoding: proposers (n-gram lookup, draft model; MTP heads and block drafters
 later) behind one interface (`base.Proposer`), a picker that decides per request and step
-whether and how far to speculate, and the statistics both rest on.
+whether and how far to speculate, the statistics both rest on, and the verification of a
+step's drafts on the target's logits (`verify`).
 
-Integration (engine and runner), a few lines:
+How the engine uses it (moestream/engine.py):
 
-    spec = Speculator.from_config(spec_config, vocab_size=model.config.vocab_size,
-                                  target_tokens=source.metadata.get("tokenizer.ggml.tokens"),
-                                  device=device, dtype=model.dtype, block_size=block_size,
-                                  draft_num_blocks=...)      # None when --speculative off
+    engine = Engine(model, tokenizer, cache, sched, spec=SpecConfig(mode="auto", ...))
     # Engine.step:
-    plan = self.scheduler.schedule()           # feeds Request.draft_token_ids as drafts
-    t0 = time.perf_counter()
-    result = self.runner.execute(plan)         # verifies drafts (below); ends in a host sync
-    if spec: spec.observe(plan, result.sampled, time.perf_counter() - t0)
-    outputs = self._commit(plan, result.sampled, result.logprobs)
-    if spec: spec.draft(self.scheduler.running)  # sets draft_token_ids for the next step
+    plan = scheduler.schedule()            # feeds Request.draft_token_ids as drafts
+    result = runner.execute(plan)          # one forward pass: prefill chunks, plain decodes
+                                           # and every request's drafts; ends in a host sync
+    speculator.observe(plan, result.sampled, seconds)   # step cost, acceptance, releases
+    outputs = commit(plan, result)         # scheduler.update takes [d_0..d_{a-1}, t]
+    speculator.draft(running requests that decode next, base_tokens)   # next step's drafts
 
-`observe` learns the step's cost (by its token count) and every verified request's accepted
-length, and drops the state of the plan's preempted and finished requests; `draft` asks the
-picker, per decoding request, for plain decode or a proposer and k, and runs the proposers.
-The runner verifies a request with k drafts from the logits of its last k + 1 fed rows:
-`rejection_sample(drafts [B, k], draft_probs, target_logits [B, k + 1, V], batch)` with
-draft_probs None (every current proposer drafts deterministically; `spec.draft_probs(id)`
-says so per request), rows grouped by k (rejection_sample takes one k per call), and
-`sampled[id] = output[b, :num_accepted[b] + 1]` as StepPlan requires.
+The runner gives a request with k drafts k + 1 logits rows (its last fed token, then each
+draft) and verifies all such requests together (`verify.verify_drafts`, which pads them to
+the largest k and calls `sampling.rejection_sample` with each request's own k); plain decodes
+of the same step are sampled as without speculation. Every current proposer drafts
+deterministically (`Proposal.probs` None), which rejection sampling verifies exactly at any
+temperature. K/V of rejected drafts are never read: they lie past the request's
+`num_computed_tokens`, and the next step overwrites them.
 """
 
 from moestream.spec.base import (

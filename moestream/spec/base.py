@@ -48,6 +48,9 @@ class SpecConfig:
     further); the estimated extra time of all tries stays within `explore_budget` of the
     measured time. `min_gain`: relative speed-up the picker needs before it prefers
     speculation to plain decode. `ema_alpha`: weight of a new acceptance observation.
+    `always`: skip the picker and draft as many tokens as the first proposer with a proposal
+    gives (up to max_k) at every decode step: for tests and acceptance measurements (tau and
+    acceptance by position at a fixed k), not for speed.
     """
 
     mode: str = "off"
@@ -60,6 +63,7 @@ class SpecConfig:
     explore_budget: float = 0.01
     min_gain: float = 0.03
     ema_alpha: float = 0.2
+    always: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in SPECULATIVE_MODES:
@@ -166,3 +170,7 @@ class Proposer(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the state kept for `request_id`."""
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests this proposer keeps state for."""
+        return []

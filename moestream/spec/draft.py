@@ -128,6 +128,22 @@ class DraftModelProposer(Proposer):
     def num_requests(self) -> int:
         return len(self._states)
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one draft KV block (all layers, K and V)."""
+        return self.kv.bytes_per_block
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """Replace the draft KV pool by one of `num_blocks` blocks (the engine sizes it with
+        the target's pool, after the draft weights took their memory). Only while no request
+        holds draft state."""
+        if self._states:
+            raise RuntimeError("resize_kv with requests holding draft KV blocks")
+        dtype = self.kv.dtype
+        self.kv = None  # free the old pool first
+        self.kv = self.model.make_kv_cache(num_blocks, self.block_size, dtype)
+        self.allocator = BlockAllocator(num_blocks, self.block_size)
+
     def num_computed(self, request_id: str) -> int:
         """Positions of `request_id` whose draft K/V are known good (0 if unknown)."""
         st = self._states.get(request_id)
@@ -137,6 +153,9 @@ class DraftModelProposer(Proposer):
         st = self._states.pop(request_id, None)
         if st is not None:
             self.allocator.free(reversed(st.block_ids))
+
+    def request_ids(self) -> list[str]:
+        return list(self._states)
 
     # ---- proposing -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -111,3 +111,6 @@ class NgramProposer(Proposer):
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+
+    def request_ids(self) -> list[str]:
+        return list(self._index)

@@ -419,7 +419,10 @@ class Speculator:
                 if p.costs_forward:
                     avail[name] = inp.num_drafts
             cands.append(Candidate(inp.request_id, inp.num_drafts, avail))
-        choices = self.picker.choose(cands, base_tokens)
+        if self.config.always:
+            choices = self._always(cands)
+        else:
+            choices = self.picker.choose(cands, base_tokens)
         out: dict[str, Proposal] = {}
         for name, p in self.proposers.items():
             chosen = [i for i in inputs if choices[i.request_id].arm == name]
@@ -444,6 +447,24 @@ class Speculator:
                 self._probs[inp.request_id] = probs
         self.stats.record_plain(len(inputs) - len(out))
         return out
+
+    def _always(self, cands: Sequence[Candidate]) -> dict[str, Choice]:
+        """`SpecConfig.always`: the first proposer (in order) that can draft for a request
+        drafts as much as it can; the picker is not asked."""
+        choices = {}
+        for c in cands:
+            choices[c.request_id] = Choice()
+            for name in self.proposers:
+                k = min(c.available.get(name, 0), c.max_k)
+                if k >= 1:
+                    choices[c.request_id] = Choice(name, k)
+                    break
+        return choices
+
+    @property
+    def draft_model(self) -> Any:
+        """The draft-model proposer, or None when this speculator runs none."""
+        return self.proposers.get("draft")
 
     def draft_probs(self, request_id: str) -> Any:
         """[k, V] distributions the pending drafts of `request_id` were sampled from, or None
@@ -478,6 +499,15 @@ class Speculator:
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         self.picker.record_step_time(num_tokens, seconds)
+
+    def release_all(self) -> None:
+        """Drop the state of every request (the engine has none unfinished); measurements
+        (costs, acceptance over all requests, counters) stay."""
+        ids = {*self._pending, *self.picker._requests}
+        for p in self.proposers.values():
+            ids.update(p.request_ids())
+        for rid in ids:
+            self.release(rid)
 
     def release(self, request_id: str) -> None:
         """Drop every proposer's and the picker's state of `request_id`."""
