@@ -108,25 +108,31 @@ def _qk_norm_rope_kernel(
         o2 = 2 * i + 1
     j = 2 * HALF + tl.arange(0, REST_PAD)
     mr = j < D
+    # The head-kind masks as bool tensors of each index shape: Triton 3.9's interpreter turns
+    # `tensor & scalar` into int32, which it then refuses as a mask.
+    is_q_i = (i * 0 + is_q.to(tl.int32)) > 0
+    is_q_j = (j * 0 + is_q.to(tl.int32)) > 0
+    is_kv_i = (i * 0 + is_kv.to(tl.int32)) > 0
+    is_kv_j = (j * 0 + is_kv.to(tl.int32)) > 0
     q_row = q_ptr + t * stride_qt + hq * stride_qh
     k_row = k_ptr + t * stride_kt + kh * stride_kh
-    x1 = tl.load(q_row + o1, mask=m1 & is_q, other=0.0) + tl.load(
-        k_row + o1, mask=m1 & is_kv, other=0.0
+    x1 = tl.load(q_row + o1, mask=m1 & is_q_i, other=0.0) + tl.load(
+        k_row + o1, mask=m1 & is_kv_i, other=0.0
     )
-    x2 = tl.load(q_row + o2, mask=m1 & is_q, other=0.0) + tl.load(
-        k_row + o2, mask=m1 & is_kv, other=0.0
+    x2 = tl.load(q_row + o2, mask=m1 & is_q_i, other=0.0) + tl.load(
+        k_row + o2, mask=m1 & is_kv_i, other=0.0
     )
-    xr = tl.load(q_row + j, mask=mr & is_q, other=0.0) + tl.load(
-        k_row + j, mask=mr & is_kv, other=0.0
+    xr = tl.load(q_row + j, mask=mr & is_q_j, other=0.0) + tl.load(
+        k_row + j, mask=mr & is_kv_j, other=0.0
     )
     x1, x2, xr = x1.to(tl.float32), x2.to(tl.float32), xr.to(tl.float32)
     if Q_NORM:  # rounded to the activation dtype, as the reference's separate norm op
-        n1, n2, nr = _norm_parts(x1, x2, xr, qw_ptr, o1, o2, j, m1 & is_q, mr & is_q, eps, D)
+        n1, n2, nr = _norm_parts(x1, x2, xr, qw_ptr, o1, o2, j, m1 & is_q_i, mr & is_q_j, eps, D)
         x1 = tl.where(is_q, n1.to(dtype).to(tl.float32), x1)
         x2 = tl.where(is_q, n2.to(dtype).to(tl.float32), x2)
         xr = tl.where(is_q, nr.to(dtype).to(tl.float32), xr)
     if K_NORM:
-        n1, n2, nr = _norm_parts(x1, x2, xr, kw_ptr, o1, o2, j, m1 & is_kv, mr & is_kv, eps, D)
+        n1, n2, nr = _norm_parts(x1, x2, xr, kw_ptr, o1, o2, j, m1 & is_kv_i, mr & is_kv_j, eps, D)
         x1 = tl.where(is_q, x1, n1.to(dtype).to(tl.float32))
         x2 = tl.where(is_q, x2, n2.to(dtype).to(tl.float32))
         xr = tl.where(is_q, xr, nr.to(dtype).to(tl.float32))
@@ -135,18 +141,19 @@ def _qk_norm_rope_kernel(
     y1 = (x1 * c - x2 * s).to(dtype)
     y2 = (x2 * c + x1 * s).to(dtype)
     yr = xr.to(dtype)
-    tl.store(q_row + o1, y1, mask=m1 & is_q)
-    tl.store(q_row + o2, y2, mask=m1 & is_q)
-    tl.store(q_row + j, yr, mask=mr & is_q)
+    tl.store(q_row + o1, y1, mask=m1 & is_q_i)
+    tl.store(q_row + o2, y2, mask=m1 & is_q_i)
+    tl.store(q_row + j, yr, mask=mr & is_q_j)
     cty = kc_ptr.dtype.element_ty
     k_dst = kc_ptr + tl.maximum(slot, 0) * stride_kcs + kh * stride_kch
-    tl.store(k_dst + o1, y1.to(cty), mask=m1 & is_kv)
-    tl.store(k_dst + o2, y2.to(cty), mask=m1 & is_kv)
-    tl.store(k_dst + j, yr.to(cty), mask=mr & is_kv)
+    tl.store(k_dst + o1, y1.to(cty), mask=m1 & is_kv_i)
+    tl.store(k_dst + o2, y2.to(cty), mask=m1 & is_kv_i)
+    tl.store(k_dst + j, yr.to(cty), mask=mr & is_kv_j)
     dd = tl.arange(0, D_PAD)
-    v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + dd, mask=(dd < D) & is_kv, other=0.0)
+    v_ok = (dd < D) & ((dd * 0 + is_kv.to(tl.int32)) > 0)
+    v = tl.load(v_ptr + t * stride_vt + kh * stride_vh + dd, mask=v_ok, other=0.0)
     v_dst = vc_ptr + tl.maximum(slot, 0) * stride_vcs + kh * stride_vch + dd
-    tl.store(v_dst, v.to(vc_ptr.dtype.element_ty), mask=(dd < D) & is_kv)
+    tl.store(v_dst, v.to(vc_ptr.dtype.element_ty), mask=v_ok)
 
 
 def qk_norm_rope_kv(
