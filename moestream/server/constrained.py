@@ -210,6 +210,10 @@ class ConstrainedLogits:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether a request is constrained (the engine does not speculate for those)."""
+        return request_id in self._requests
+
     def apply(
         self,
         logits: torch.Tensor,

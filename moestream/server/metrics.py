@@ -81,12 +81,42 @@ class _EngineCollector:
         )  # fmt: skip
         yield counter("num_preemptions", "Requests preempted by the scheduler", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run", stats.steps)
+        spec_stats = getattr(self._engine.engine, "spec_stats", None)
+        spec = spec_stats() if spec_stats is not None else None
+        if spec is not None:  # speculative decoding, per proposer
+            yield from _spec_families(spec)
         if self._expert_store is not None:  # expert tiers: hits, misses, bytes, stalls
             from moestream.experts import metric_families
 
             for name, doc, kind, value in metric_families(self._expert_store.counters.snapshot()):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=value)
+
+
+def _spec_families(spec: dict[str, Any]) -> Iterator[Metric]:
+    """Speculation counters labelled by proposer, and tau (tokens per verify step)."""
+    names = {
+        "verify_steps": "Verify steps (a request's drafts checked in a target pass)",
+        "draft_tokens": "Draft tokens proposed and verified",
+        "accepted_tokens": "Draft tokens accepted",
+    }
+    for key, doc in names.items():
+        family = CounterMetricFamily(f"moestream_spec_{key}", doc, labels=["proposer"])
+        for proposer, arm in spec["by_proposer"].items():
+            family.add_metric([proposer], arm[key])
+        yield family
+    tau = GaugeMetricFamily(
+        "moestream_spec_tau", "Mean tokens emitted per verify step (accepted + 1)",
+        labels=["proposer"],
+    )  # fmt: skip
+    for proposer, arm in spec["by_proposer"].items():
+        if arm["tau"] is not None:
+            tau.add_metric([proposer], arm["tau"])
+    yield tau
+    yield CounterMetricFamily(
+        "moestream_spec_plain_steps", "Request-steps that ran plain decode instead",
+        value=spec["plain_steps"],
+    )  # fmt: skip
 
 
 class ServerMetrics:
