@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from moestream.bench.experts_section import ExpertsSection
 from moestream.bench.machine import (
     git_info,
     machine_info,
@@ -385,7 +386,7 @@ class DecodeSection:
         return head, rows
 
 
-SECTIONS: tuple[Section, ...] = (PrefillSection(), DecodeSection(), SpecSection())
+SECTIONS: tuple[Section, ...] = (PrefillSection(), DecodeSection(), SpecSection(), ExpertsSection())
 
 
 def section_by_name(name: str, sections: Sequence[Section] = SECTIONS) -> Section | None:

@@ -350,3 +350,19 @@ def test_machine_and_copy_bandwidth(tmp_path: Path) -> None:
     assert info["ram_bytes"] > 0 and info["torch"] and info["gpu"] is None
     assert git_info(tmp_path)["commit"] is None
     assert measure_copy_bandwidth("cpu", nbytes=2**20, repeats=3) > 0
+
+
+def test_bench_reports_expert_counters_when_streaming(tmp_path: Path) -> None:
+    """With an expert budget the run carries the store's counters (and only then)."""
+    from moestream.cli import DEMO_MODEL
+
+    out = tmp_path / "experts"
+    argv = ["bench", str(DEMO_MODEL), "--prompt-lens", "16", "--decode-depths", "0"]
+    argv += ["--decode-tokens", "4", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+    argv += ["--gpu-expert-cache-gib", "0.004", "--out", str(out)]
+    assert main(argv) == 0
+    r = json.loads((out / "result.json").read_text())
+    c = r["experts"]["counters"]
+    assert c["tokens"] > 0 and c["device_hits"] + c["device_misses"] > 0
+    assert c["bytes_from_disk"] > 0  # the budget holds fewer experts than the model has
+    assert r["experts"]["budgets"] and "expert store counter" in (out / "result.md").read_text()

@@ -1,0 +1,49 @@
+"""The `experts` section of `moestream bench`: the expert store's counters over the whole run
+(hits and misses per tier, bytes moved per tier, prefetch accuracy, stall time), present only
+when experts are streamed (`--gpu-expert-cache-gib`). It runs after the timed sections, so its
+figures describe exactly the traffic those measurements paid for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # runner.py lists this section among its own
+    from moestream.bench.runner import BenchContext, Metric
+
+_RATES = ("device_hit_rate", "host_hit_rate", "prefetch_accuracy", "prediction_recall")
+
+
+class ExpertsSection:
+    name = "experts"
+
+    def run(self, ctx: BenchContext) -> dict[str, Any] | None:
+        store = getattr(ctx.llm, "expert_store", None)
+        if store is None:
+            return None
+        return {"counters": store.counters.snapshot(), "budgets": _budgets(ctx.llm)}
+
+    def metrics(self, data: dict[str, Any]) -> list[Metric]:
+        from moestream.bench.runner import Metric
+
+        c = data["counters"]
+        out = [
+            Metric(f"experts {r}", "ratio", True, [c[r]]) for r in _RATES if c.get(r) is not None
+        ]
+        if c.get("stall_ms_per_token") is not None:
+            out.append(Metric("experts stall ms/token", "ms", False, [c["stall_ms_per_token"]]))
+        return out
+
+    def table(self, data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+        rows = []
+        for key, value in data["counters"].items():
+            if isinstance(value, float):
+                text = f"{value:,.4f}" if value < 10 else f"{value:,.1f}"
+            else:
+                text = f"{value:,}" if isinstance(value, int) else str(value)
+            rows.append([key.replace("_", " "), text])
+        return ["expert store counter", "value"], rows
+
+
+def _budgets(llm: Any) -> dict[str, Any]:
+    """Bytes the store holds per tier (never above the budgets it was given)."""
+    return {k: int(v) for k, v in llm.expert_store.allocated_bytes().items()}
