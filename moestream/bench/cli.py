@@ -71,6 +71,16 @@ def add_bench_parser(
         help="context depths for decode (default 0 and the prompt lengths)",
     )
     g.add_argument("--decode-tokens", type=int, default=128, help="tokens timed per decode run")
+    g.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=(),
+        help="concurrent-decode sweep, e.g. 1,2,4,8,16,32: aggregate and per-request tok/s "
+        "(default: no sweep)",
+    )
+    g.add_argument(
+        "--concurrency-prompt", type=int, default=128, help="prompt tokens per request in the sweep"
+    )
     g.add_argument("--repeats", type=int, default=3, help="measured runs per row")
     g.add_argument("--warmup", type=int, default=1, help="discarded runs per row")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
@@ -195,6 +205,8 @@ def _run_single(args: argparse.Namespace) -> dict[str, Any]:
         warmup=args.warmup,
         seed=args.seed,
         copy_bandwidth_gbps=args.copy_bandwidth,
+        concurrency=tuple(args.concurrency),
+        concurrency_prompt=args.concurrency_prompt,
     )
     measured = None
     if config.copy_bandwidth_gbps is None:

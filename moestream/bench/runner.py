@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from moestream.bench.concurrency_section import ConcurrencySection
 from moestream.bench.experts_section import ExpertsSection
 from moestream.bench.machine import (
     git_info,
@@ -74,6 +75,8 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
     copy_bandwidth_gbps: float | None = None  # None: measure it on the device
+    concurrency: tuple[int, ...] = ()  # the concurrency sweep's levels (empty: no sweep)
+    concurrency_prompt: int = 128  # prompt tokens of each request in the sweep
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -86,6 +89,8 @@ class BenchConfig:
             raise RequestError(f"--prompt-lens must be >= 1, got {list(self.prompt_lens)}")
         if any(d < 0 for d in self.decode_depths):
             raise RequestError(f"--decode-depths must be >= 0, got {list(self.decode_depths)}")
+        if any(c < 1 for c in self.concurrency) or self.concurrency_prompt < 1:
+            raise RequestError("--concurrency levels and --concurrency-prompt must be >= 1")
         if self.copy_bandwidth_gbps is not None and self.copy_bandwidth_gbps <= 0:
             raise RequestError(f"--copy-bandwidth must be positive, got {self.copy_bandwidth_gbps}")
 
@@ -386,7 +391,13 @@ class DecodeSection:
         return head, rows
 
 
-SECTIONS: tuple[Section, ...] = (PrefillSection(), DecodeSection(), SpecSection(), ExpertsSection())
+SECTIONS: tuple[Section, ...] = (
+    PrefillSection(),
+    DecodeSection(),
+    ConcurrencySection(),
+    SpecSection(),
+    ExpertsSection(),
+)
 
 
 def section_by_name(name: str, sections: Sequence[Section] = SECTIONS) -> Section | None:

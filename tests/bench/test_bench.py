@@ -366,3 +366,21 @@ def test_bench_reports_expert_counters_when_streaming(tmp_path: Path) -> None:
     assert c["tokens"] > 0 and c["device_hits"] + c["device_misses"] > 0
     assert c["bytes_from_disk"] > 0  # the budget holds fewer experts than the model has
     assert r["experts"]["budgets"] and "expert store counter" in (out / "result.md").read_text()
+
+
+def test_bench_concurrency_sweep(tmp_path: Path) -> None:
+    """--concurrency adds aggregate and per-request decode rows (per request = aggregate / c)."""
+    from moestream.cli import DEMO_MODEL
+
+    out = tmp_path / "conc"
+    argv = ["bench", str(DEMO_MODEL), "--prompt-lens", "16", "--decode-depths", "0"]
+    argv += ["--decode-tokens", "4", "--repeats", "1", "--warmup", "0", "--threads", "1"]
+    argv += ["--concurrency", "1,3", "--concurrency-prompt", "8", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads((out / "result.json").read_text())["concurrency"]["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        s = r["samples"][0]
+        assert s["aggregate_tok_s"] > 0 and s["decode_s"] > 0
+        assert abs(s["per_request_tok_s"] * r["concurrency"] - s["aggregate_tok_s"]) < 1e-6
+    assert "## concurrency" in (out / "result.md").read_text()
