@@ -48,17 +48,19 @@ class ConcurrencySection:
                 for i in range(c)
             ]  # fmt: skip
             pending, done = set(ids), set()
-            first: dict[str, int] = {}
+            started: set[str] = set()
+            total = 0  # tokens of every request, prefill phase included
             t0 = time.perf_counter()
-            while len(first) < c:  # prefill phase: until every request has a token
+            while len(started) < c:  # prefill phase: until every request has a token
                 for out in engine.step():
-                    if out.new_token_ids and out.request_id not in first:
-                        first[out.request_id] = len(out.new_token_ids)
+                    total += len(out.new_token_ids)
+                    if out.new_token_ids:
+                        started.add(out.request_id)
                     if out.finished:
                         done.add(out.request_id)
             synchronize(ctx.device)
             t1 = time.perf_counter()
-            n = sum(first.values()) - c  # tokens past the first that came with prefill steps
+            n = 0  # tokens of the decode phase alone
             with ctx.power.measure() as pm:
                 while pending - done:
                     for out in engine.step():
@@ -67,8 +69,8 @@ class ConcurrencySection:
                             done.add(out.request_id)
                 synchronize(ctx.device)
                 t2 = time.perf_counter()
-            if n != c * k:
-                raise RuntimeError(f"concurrency {c}: decoded {n} tokens, expected {c * k}")
+            if total + n != c * (k + 1):
+                raise RuntimeError(f"concurrency {c}: {total + n} tokens, expected {c * (k + 1)}")
             decode_s = t2 - t1
             return {
                 "prefill_s": t1 - t0,
