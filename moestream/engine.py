@@ -29,7 +29,7 @@ from moestream.models.base import CausalLM
 from moestream.runner.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 from moestream.sched.scheduler import Scheduler
 from moestream.spec.base import SpecConfig
-from moestream.spec.picker import Speculator
+from moestream.spec.speculator import Speculator
 from moestream.tokenizer import Tokenizer
 from moestream.types import Request, RequestOutput, RequestStatus, SamplingParams, StepPlan
 

@@ -33,7 +33,8 @@ from moestream.spec.base import (
     proposer_class,
 )
 from moestream.spec.ngram import NgramIndex, NgramProposer
-from moestream.spec.picker import Candidate, Choice, Picker, Speculator
+from moestream.spec.picker import Candidate, Choice, Picker
+from moestream.spec.speculator import Speculator
 from moestream.spec.stats import AcceptanceEMA, ArmStats, SpecStats, StepCostModel
 
 __all__ = [

@@ -13,7 +13,7 @@ from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
 from moestream.spec.base import ProposalInput, SpecConfig
 from moestream.spec.draft import DraftModelProposer
-from moestream.spec.picker import Speculator
+from moestream.spec.speculator import Speculator
 from moestream.weights.loader import open_model
 from moestream.weights.qtensor import QTensor
 

@@ -24,7 +24,7 @@ from moestream.llm import spec_config
 from moestream.spec.base import Proposal, ProposalInput, Proposer, SpecConfig
 from moestream.spec.draft import DraftModelProposer
 from moestream.spec.ngram import NgramProposer
-from moestream.spec.picker import Speculator
+from moestream.spec.speculator import Speculator
 from moestream.types import SamplingParams
 
 BS = 16

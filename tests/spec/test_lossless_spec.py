@@ -19,7 +19,7 @@ from moestream.eval.prompts import LOSSLESS_PROMPTS
 from moestream.spec.base import SpecConfig
 from moestream.spec.draft import DraftModelProposer
 from moestream.spec.ngram import NgramProposer
-from moestream.spec.picker import Speculator
+from moestream.spec.speculator import Speculator
 from moestream.types import SamplingParams
 
 TOKENS = 24

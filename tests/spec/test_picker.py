@@ -12,7 +12,8 @@ from moestream.errors import RequestError
 from moestream.sched.scheduler import Scheduler
 from moestream.spec.base import SpecConfig
 from moestream.spec.ngram import NgramProposer
-from moestream.spec.picker import Candidate, Choice, Picker, Speculator
+from moestream.spec.picker import Candidate, Choice, Picker
+from moestream.spec.speculator import Speculator
 from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
 from moestream.types import Request, SamplingParams
 

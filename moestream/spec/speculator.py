@@ -1,0 +1,231 @@
+"""`Speculator`: the proposers and the `Picker` behind one object the engine drives: each step
+it asks the picker which requests draft (and how many tokens), collects the drafts, and after
+the verify pass feeds the measured step time and the accepted lengths back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from moestream.spec.base import Proposal, ProposalInput, Proposer, SpecConfig
+from moestream.spec.ngram import NgramProposer
+from moestream.spec.picker import Candidate, Choice, Picker
+from moestream.spec.stats import SpecStats
+from moestream.types import Request, StepPlan
+
+
+class Speculator:
+    """Proposers, picker and counters together: all the engine calls for speculation.
+
+    Each step (the integration recipe is in `moestream/spec/__init__.py`):
+    1. after the runner ran `plan` (verifying drafts) in `seconds`:
+       `observe(plan, sampled, seconds)` records the step time, the acceptance of every
+       verified request, and drops state of preempted and finished requests;
+    2. after the scheduler committed the step: `draft(scheduler.running)` sets
+       `Request.draft_token_ids` of the requests that decode next; the scheduler feeds them.
+    Drafts are guesses: the output never depends on them, only the speed does.
+    """
+
+    def __init__(self, config: SpecConfig, proposers: Sequence[Proposer]) -> None:
+        self.config = config
+        self.proposers = {p.name: p for p in proposers}
+        self.picker = Picker(
+            [p.name for p in proposers],
+            config.max_k,
+            model_arms=[p.name for p in proposers if p.costs_forward],
+            explore_interval=config.explore_interval,
+            explore_max_interval=config.explore_max_interval,
+            explore_budget=config.explore_budget,
+            min_gain=config.min_gain,
+            ema_alpha=config.ema_alpha,
+        )
+        self.stats = SpecStats()
+        self._pending: dict[str, Choice] = {}  # drafts handed out, awaiting verification
+        self._probs: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SpecConfig,
+        *,
+        vocab_size: int,
+        target_tokens: Sequence[str] | None = None,
+        device: Any = "cpu",
+        dtype: Any = None,
+        block_size: int = 16,
+        draft_num_blocks: int | None = None,
+    ) -> Speculator | None:
+        """The speculator for `config` (None when off). Loads `config.draft_model` when the
+        mode uses it; ModelFormatError when its vocabulary differs from the target's
+        (`vocab_size`, and `target_tokens`, the target GGUF's `tokenizer.ggml.tokens`, if
+        given)."""
+        if not config.enabled:
+            return None
+        proposers: list[Proposer] = []
+        for name in config.proposer_names:
+            if name == "ngram":
+                proposers.append(NgramProposer(config.ngram_min, config.ngram_max))
+            elif name == "draft":
+                from moestream.spec.draft import DraftModelProposer  # imports torch
+
+                proposers.append(
+                    DraftModelProposer.from_file(
+                        str(config.draft_model),
+                        vocab_size,
+                        target_tokens=target_tokens,
+                        device=device,
+                        dtype=dtype,
+                        block_size=block_size,
+                        num_blocks=draft_num_blocks,
+                    )
+                )
+        return cls(config, proposers)
+
+    # ---- proposing -------------------------------------------------------------------------
+    def draft(self, requests: Iterable[Request], base_tokens: int | None = None) -> None:
+        """Set `draft_token_ids` of each running request whose next step is a decode (one
+        token left to feed) to this step's proposal, or [] for plain decode."""
+        requests = list(requests)
+        inputs = []
+        for req in requests:
+            req.draft_token_ids = []
+            room = req.sampling_params.max_tokens - req.num_output_tokens - 1
+            if req.is_finished or req.num_tokens - req.num_computed_tokens != 1 or room < 1:
+                continue
+            inputs.append(
+                ProposalInput(
+                    req.request_id,
+                    req.prompt_token_ids,
+                    req.output_token_ids,
+                    num_drafts=min(self.config.max_k, room),
+                    temperature=req.sampling_params.temperature,
+                )
+            )
+        proposals = self.propose(inputs, base_tokens)
+        by_id = {req.request_id: req for req in requests} if proposals else {}
+        for rid, p in proposals.items():
+            by_id[rid].draft_token_ids = list(p.token_ids)
+
+    def propose(
+        self, inputs: Sequence[ProposalInput], base_tokens: int | None = None
+    ) -> dict[str, Proposal]:
+        """Proposals for the requests the picker lets speculate this step."""
+        inputs = [i for i in inputs if i.num_drafts >= 1]
+        for inp in inputs:
+            self._pending.pop(inp.request_id, None)
+            self._probs.pop(inp.request_id, None)
+        if not inputs:
+            return {}
+        free = {
+            name: p.propose(inputs) for name, p in self.proposers.items() if not p.costs_forward
+        }
+        cands = []
+        for inp in inputs:
+            avail = {
+                name: len(props[inp.request_id].token_ids)
+                for name, props in free.items()
+                if inp.request_id in props
+            }
+            for name, p in self.proposers.items():
+                if p.costs_forward:
+                    avail[name] = inp.num_drafts
+            cands.append(Candidate(inp.request_id, inp.num_drafts, avail))
+        if self.config.always:
+            choices = self._always(cands)
+        else:
+            choices = self.picker.choose(cands, base_tokens)
+        out: dict[str, Proposal] = {}
+        for name, p in self.proposers.items():
+            chosen = [i for i in inputs if choices[i.request_id].arm == name]
+            if not chosen:
+                continue
+            if p.costs_forward:
+                ks = [choices[i.request_id].k for i in chosen]
+                t0 = time.perf_counter()
+                props = p.propose([replace(i, num_drafts=k) for i, k in zip(chosen, ks)])
+                self.picker.record_draft_time(name, len(chosen), max(ks), time.perf_counter() - t0)
+            else:
+                props = free[name]
+            for inp in chosen:
+                prop = props.get(inp.request_id)
+                choice = choices[inp.request_id]
+                if prop is None or not prop.token_ids:
+                    continue
+                k = min(choice.k, len(prop.token_ids))
+                probs = prop.probs[:k] if prop.probs is not None else None
+                out[inp.request_id] = Proposal(prop.token_ids[:k], probs, prop.meta)
+                self._pending[inp.request_id] = choice
+                self._probs[inp.request_id] = probs
+        self.stats.record_plain(len(inputs) - len(out))
+        return out
+
+    def _always(self, cands: Sequence[Candidate]) -> dict[str, Choice]:
+        """`SpecConfig.always`: the first proposer (in order) that can draft for a request
+        drafts as much as it can; the picker is not asked."""
+        choices = {}
+        for c in cands:
+            choices[c.request_id] = Choice()
+            for name in self.proposers:
+                k = min(c.available.get(name, 0), c.max_k)
+                if k >= 1:
+                    choices[c.request_id] = Choice(name, k)
+                    break
+        return choices
+
+    @property
+    def draft_model(self) -> Any:
+        """The draft-model proposer, or None when this speculator runs none."""
+        return self.proposers.get("draft")
+
+    def draft_probs(self, request_id: str) -> Any:
+        """[k, V] distributions the pending drafts of `request_id` were sampled from, or None
+        (deterministic drafts: verify with `rejection_sample(draft_probs=None)`)."""
+        return self._probs.get(request_id)
+
+    # ---- feedback --------------------------------------------------------------------------
+    def observe(
+        self, plan: StepPlan, sampled: Mapping[str, list[int]], seconds: float | None = None
+    ) -> None:
+        """Record a step the runner ran: its time (when given), the acceptance of every request
+        that carried drafts (`sampled[id]` = accepted drafts + one token), and release state
+        of the plan's preempted and finished requests."""
+        if seconds is not None and plan.num_tokens > 0:
+            self.picker.record_step_time(plan.num_tokens, seconds)
+        for s in plan.scheduled:
+            out = sampled.get(s.request_id)
+            if s.draft_token_ids and out:
+                self.record_verification(s.request_id, len(s.draft_token_ids), len(out) - 1)
+        for rid in (*plan.preempted_ids, *plan.finished_ids):
+            self.release(rid)
+
+    def record_verification(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """The target verified `num_drafts` of the drafts proposed for `request_id` (the
+        scheduler may have cut some) and accepted the first `num_accepted`."""
+        choice = self._pending.pop(request_id, None)
+        self._probs.pop(request_id, None)
+        if choice is None or choice.arm is None or num_drafts < 1:
+            return
+        self.picker.record_verification(request_id, choice.arm, num_drafts, num_accepted)
+        self.stats.record(choice.arm, num_drafts, num_accepted, choice.explore)
+
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        self.picker.record_step_time(num_tokens, seconds)
+
+    def release_all(self) -> None:
+        """Drop the state of every request (the engine has none unfinished); measurements
+        (costs, acceptance over all requests, counters) stay."""
+        ids = {*self._pending, *self.picker._requests}
+        for p in self.proposers.values():
+            ids.update(p.request_ids())
+        for rid in ids:
+            self.release(rid)
+
+    def release(self, request_id: str) -> None:
+        """Drop every proposer's and the picker's state of `request_id`."""
+        self._pending.pop(request_id, None)
+        self._probs.pop(request_id, None)
+        self.picker.release(request_id)
+        for p in self.proposers.values():
+            p.release(request_id)
