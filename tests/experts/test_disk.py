@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import moestream
+from moestream.cli import DEMO_MODEL
 from moestream.config import CacheConfig, SchedConfig
 from moestream.engine import Engine
 from moestream.experts import (
@@ -25,21 +25,8 @@ from moestream.models.registry import build_model
 from moestream.types import SamplingParams
 from moestream.weights.loader import open_model
 
-DEMO = Path(moestream.__file__).parent / "data" / "tiny-qwen3-moe-Q4_K_M.gguf"
+DEMO = DEMO_MODEL
 GIB = 2**30
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def source():
-    return open_model(DEMO)
 
 
 def layout_of(source) -> ExpertLayout:

@@ -5,12 +5,10 @@ to all experts resident, with and without prediction, under every policy."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-import moestream
+from moestream.cli import DEMO_MODEL
 from moestream.experts import (
     ExpertBudgets,
     ExpertLayout,
@@ -20,7 +18,7 @@ from moestream.experts import (
 from moestream.llm import LLM
 from moestream.types import SamplingParams
 
-DEMO = Path(moestream.__file__).parent / "data" / "tiny-qwen3-moe-Q4_K_M.gguf"
+DEMO = DEMO_MODEL
 GIB = 2**30
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -39,14 +37,6 @@ CASES = {
     "2-slots-direct-io": (2, 2, {"direct": True, "io_threads": 1}),
     "all-resident": (8, 0, {}),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def budgets_for(layout: ExpertLayout, device_slots: int, host_slots: int) -> ExpertBudgets:
