@@ -28,9 +28,6 @@ def read_hf_config(path: Path) -> dict[str, Any]:
         cfg = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{cfg_path}: invalid JSON ({e})") from None
-    # transformers 5 saves Qwen3-MoE's expert count as `num_local_experts` only.
-    if isinstance(cfg, dict) and "num_experts" not in cfg and "num_local_experts" in cfg:
-        cfg["num_experts"] = cfg["num_local_experts"]
     return cfg
 
 
