@@ -17,8 +17,8 @@ activations read and the output written. "% copy" divides by the device-to-devic
 bandwidth measured first (bytes read + written by `Tensor.copy_` of 1 GiB), the figure
 /work/shared/ANCHORS.md uses. Exits with status 1 when a check fails.
 
---sweep times the decode GEMV (M=1) over a grid of launch configurations and prints the best
-ones per shape beside the heuristic's choice, for tuning `quant_gemv.gemv_config`.
+--sweep times the decode MMVQ (M=1) over a grid of launch configurations and prints the best
+ones per shape beside the heuristic's choice, for tuning `mmvq.mmvq_config`.
 
 Shapes: Qwen3-30B-A3B (hidden 2048, 32/4 heads of 128, 128 experts top-8, expert FFN 768,
 vocab 151936) and Qwen3-8B (hidden 4096, FFN 12288), weights in the Q4_K_M mix (Q4_K, Q6_K).
@@ -133,10 +133,23 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def matmul_fn(kind: str):
+    from moestream.kernels.mmvq import mmvq, quantize_q8
     from moestream.kernels.quant_gemm import quant_gemm
     from moestream.kernels.quant_gemv import quant_gemv
 
-    return quant_gemv if kind == "gemv" else quant_gemm
+    def mmvq_call(x, w, out, config=None):  # the activation quantizer is part of the call
+        return mmvq(quantize_q8(x), w, out=out, config=config)
+
+    return {"gemv": quant_gemv, "gemm": quant_gemm, "mmvq": mmvq_call}[kind]
+
+
+def matmul_ref(kind: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """float32 reference: the float product, or for mmvq its own (8-bit activations)."""
+    if kind == "mmvq":
+        from moestream.kernels.mmvq import mmvq_ref, quantize_q8_ref
+
+        return mmvq_ref(quantize_q8_ref(x), w)
+    return x.float() @ w.dequantize(torch.float32).t()
 
 
 def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
@@ -146,7 +159,7 @@ def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     fn(x, w, out=out, **kw)
-    err = rel_err(out, x.float() @ w.dequantize(torch.float32).t())
+    err = rel_err(out, matmul_ref(kind, x, w))
     more = [QTensor(w.data.clone(), qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)]
     weights = [w, *more]
     us = graph_time_us([lambda w=w_: fn(x, w, out=out, **kw) for w_ in weights])
@@ -159,7 +172,7 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
     slot e + 128 c), so consecutive calls read different, cold experts."""
-    from moestream.kernels.moe import GEMV_MAX_ASSIGNMENTS, fused_moe
+    from moestream.kernels.moe import default_method, fused_moe, moe_mmvq_ref
 
     qg, qd = qtypes
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)  # gate, up, down
@@ -179,8 +192,10 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
         calls.append((ids, weights, slot, out))
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
+    path = method or default_method(t * TOPK, gate, up, down)
     fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method)
-    err = rel_err(out, ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot))
+    ref = moe_mmvq_ref if path == "mmvq" else ops.moe_forward_ref
+    err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
     us = graph_time_us(
         [
             lambda a=a: fused_moe(x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method)
@@ -189,7 +204,6 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
     )
     mean_used = sum(used) / len(used)
     nbytes = int(mean_used * per_expert) + 2 * x.numel() * x.element_size()
-    path = method or ("gemv" if t * TOPK <= GEMV_MAX_ASSIGNMENTS else "gemm")
     shape = f"T={t} E={E} k={TOPK} H={HIDDEN} F={FFN} ({mean_used:.0f} used)"
     flops = 2 * 3 * t * TOPK * HIDDEN * FFN
     qtype_names = f"{qg.name}/{qd.name}"
@@ -204,6 +218,14 @@ def cases(only: set[str], quick: bool):
     decode += [(12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K), (151936, 2048, T.Q6_K)]
     prefill = [(4096, 2048, T.Q4_K), (12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K)]
     other_types = () if quick else (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K)
+    if "mmvq" in only:
+        for n, k, qtype in decode[:2] if quick else decode:
+            yield bench_matmul, ("mmvq", 1, n, k, qtype, bf16)
+        for qtype in () if quick else (T.Q5_K, T.Q8_0):
+            yield bench_matmul, ("mmvq", 1, 12288, 4096, qtype, bf16)
+        for m in (2, 4, 8):
+            for n, k, qtype in (decode[0], decode[3]):
+                yield bench_matmul, ("mmvq", m, n, k, qtype, bf16)
     if "gemv" in only:
         for n, k, qtype in decode[:1] if quick else decode:
             yield bench_matmul, ("gemv", 1, n, k, qtype, bf16)
@@ -226,6 +248,7 @@ def cases(only: set[str], quick: bool):
         mix = (T.Q4_K, T.Q6_K)
         for t in (1, 8) if quick else (1, 4, 8, 16, 32, 512, 4096):
             yield bench_moe, (t, mix, bf16)
+        yield bench_moe, (1, mix, bf16, "gemv")  # the float decode path, for comparison
         if not quick:
             yield bench_moe, (1, (T.Q4_K, T.Q4_K), bf16)
             yield bench_moe, (8, mix, bf16, "gemm")  # the other path at the crossover
@@ -241,29 +264,29 @@ def print_row(r: Row, copy_gbs: float) -> None:
 
 
 def sweep(gen, copy_gbs: float) -> None:
-    """Decode GEMV (M=1) over launch configurations; the 5 fastest per shape and the default."""
-    from moestream.kernels.quant_gemv import GemvConfig, gemv_config
+    """Decode MMVQ (M=1) over launch configurations; the 5 fastest per shape and the default."""
+    from moestream.kernels.mmvq import MmvqConfig, mmvq_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = [(4096, 2048, T.Q4_K), (512, 2048, T.Q4_K), (12288, 4096, T.Q4_K)]
-    shapes += [(151936, 2048, T.Q6_K)]
+    shapes = [(4096, 2048, T.Q4_K), (2048, 4096, T.Q4_K), (12288, 4096, T.Q4_K)]
+    shapes += [(4096, 12288, T.Q6_K), (151936, 2048, T.Q6_K)]
     for n, k, qtype in shapes:
         groups = k // 256
         results = []
-        default = gemv_config(1, n, k, sms)
-        grid = itertools.product((4, 8, 16, 32), (1, 2, 4), (1, 2), (4, 8))
+        default = mmvq_config(n, k, sms)
+        grid = itertools.product((4, 8, 16, 32), (1, 2, 4), (1, 2, 4), (2, 4, 8))
         for block_n, split_k, unroll, warps in grid:
             if groups % split_k or (groups // split_k) % unroll:
                 continue
-            cfg = GemvConfig(block_n, split_k, unroll, warps)
+            cfg = MmvqConfig(block_n, split_k, unroll, warps)
             try:
-                r = bench_matmul("gemv", 1, n, k, qtype, torch.bfloat16, gen=gen, config=cfg)
+                r = bench_matmul("mmvq", 1, n, k, qtype, torch.bfloat16, gen=gen, config=cfg)
             except Exception as exc:  # a config the compiler rejects: report, go on
                 print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             results.append((r.us, cfg, r))
         results.sort(key=lambda item: item[0])
-        print(f"\nGEMV M=1 N={n} K={k} {qtype.name}: {len(results)} configs")
+        print(f"\nMMVQ M=1 N={n} K={k} {qtype.name}: {len(results)} configs")
         for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
             gbs = r.nbytes / us / 1e3
             mark = " (default)" if cfg == default else ""
@@ -273,7 +296,9 @@ def sweep(gen, copy_gbs: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="gemv,gemm,moe", help="comma list of gemv, gemm, moe")
+    parser.add_argument(
+        "--only", default="mmvq,gemv,gemm,moe", help="comma list of mmvq, gemv, gemm, moe"
+    )
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode GEMV config")
     args = parser.parse_args()

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
+from moestream.kernels.mmvq import MMVQ_QTYPES, mmvq_rows, quantize_q8, use_asm
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
 from moestream.weights.qtensor import QTensor
@@ -72,6 +73,70 @@ def _down_gemv_kernel(
         acc += weight * gemv_rows(rows, h_row, 0, magic, F_GROUPS, UNROLL, QD, BLOCK_N)
     dst = out_ptr + t.to(tl.int64) * stride_ot + n
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+@triton.jit
+def _gate_up_mmvq_kernel(
+    xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr,
+    stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
+    TOPK: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (assignment a, block of 32 F rows): gate and up rows against token a // TOPK's
+    quantized activations, h = silu(g) * u, written quantized (one 32-value q8 block)."""
+    a = tl.program_id(0)
+    blk = tl.program_id(1)
+    n = (blk * 32 + tl.arange(0, 32)).to(tl.int64)  # F is a multiple of 256: no tail
+    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    t = (a // TOPK).to(tl.int64)
+    xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+    g_rows = g_ptr + slot * stride_ge + n * stride_gn  # [32]
+    u_rows = u_ptr + slot * stride_ue + n * stride_un
+    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 0, H_GROUPS, UNROLL, QG, 32, 1, 1, ASM)  # [1, 32]
+    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 0, H_GROUPS, UNROLL, QU, 32, 1, 1, ASM)
+    h = g * tl.sigmoid(g) * u  # [1, 32]
+    amax = tl.max(tl.abs(h))
+    inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+    q = tl.floor(h * inv + 0.5).to(tl.int32)  # [1, 32]
+    d = tl.math.div_rn(amax, 127.0)
+    i = tl.arange(0, 4)[None, :]
+    words = tl.sum((tl.reshape(q, (8, 4)) & 0xFF) << (8 * i), axis=1)  # [8] (disjoint bytes)
+    a64 = a.to(tl.int64)
+    tl.store(hq_ptr + a64 * (F // 4) + blk * 8 + tl.arange(0, 8), words)
+    tl.store(hd_ptr + a64 * (F // 32) + blk, d)
+    tl.store(hs_ptr + a64 * (F // 32) + blk, d * tl.sum(q).to(tl.float32))
+
+
+@triton.jit
+def _down_mmvq_kernel(
+    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, y_ptr,
+    H, stride_de, stride_dn,
+    QD: tl.constexpr, F_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (assignment a, block of H rows): y[a] = weight_a * down_slot(h_a), float32."""
+    a = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, H - 1).to(tl.int64)
+    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    weight = tl.load(weights_ptr + a).to(tl.float32)
+    rows = d_ptr + slot * stride_de + nc * stride_dn  # [BLOCK_N]
+    a64 = a.to(tl.int64)
+    hq = hq_ptr + a64 * (F_GROUPS * 64)
+    hd, hs = hd_ptr + a64 * (F_GROUPS * 8), hs_ptr + a64 * (F_GROUPS * 8)
+    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 0, F_GROUPS, UNROLL, QD, BLOCK_N, 1, 1, ASM)
+    tl.store(y_ptr + a64 * H + n[None, :], acc * weight, mask=n[None, :] < H)
+
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, out_ptr, H, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over j in order of y[t * TOPK + j] (float32), cast to out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * H + n, mask=n < H, other=0.0)
+    tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 @triton.jit
@@ -138,6 +203,14 @@ def _down_gemm_kernel(
     tl.store(dst, acc * weight[:, None], mask=valid[:, None] & (n[None, :] < H))
 
 
+def default_method(a: int, gate: QTensor, up: QTensor, down: QTensor) -> str:
+    """The decode path for few assignments (integer-dot "mmvq" where all three types have it,
+    else the float "gemv"), the grouped GEMM above GEMV_MAX_ASSIGNMENTS."""
+    if a > GEMV_MAX_ASSIGNMENTS:
+        return "gemm"
+    return "mmvq" if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)) else "gemv"
+
+
 def unroll_for(groups: int) -> int:
     """Groups per loop step of the GEMV kernels: the largest of 4, 3, 2, 1 that divides."""
     return next(u for u in (4, 3, 2, 1) if groups % u == 0)
@@ -191,6 +264,33 @@ def align_assignments(
     sorted_ids = torch.full((num_blocks * block_m,), a, dtype=torch.int32, device=device)
     sorted_ids[first_row[expert_of] + rank] = order.to(torch.int32)
     return sorted_ids, block_expert.to(torch.int32)
+
+
+def moe_mmvq_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of the "mmvq" path (same contract as `ops.moe_forward_ref`) -> float32 [T, H]:
+    x and each h = silu(gate x) * up x are rounded to q8 blocks as the kernels do, the
+    products computed in float64 from those values."""
+    from moestream.kernels.mmvq import dequantize_q8, quantize_q8_ref
+
+    xs = dequantize_q8(quantize_q8_ref(x.float())).double()  # [T, H]
+    out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            s = int(expert_slot[int(topk_ids[t, j])])
+            g = (xs[t] @ gate[s].dequantize(torch.float32).double().t()).float()  # [F]
+            u = (xs[t] @ up[s].dequantize(torch.float32).double().t()).float()
+            h = dequantize_q8(quantize_q8_ref((g * torch.sigmoid(g) * u)[None])).double()[0]
+            y = h @ down[s].dequantize(torch.float32).double().t()  # [H]
+            out[t] += float(topk_weights[t, j]) * y
+    return out.float()
 
 
 def check_moe_args(
@@ -247,8 +347,8 @@ def fused_moe(
     gate, up: QTensor [S, F, H]; down [S, H, F] (H and F multiples of 256, kernel types);
     expert_slot [E] int32 maps every expert that `topk_ids` names to a slot in [0, S) (not
     checked on the device: a bad slot reads out of bounds). `out`, when given, is a [T, H]
-    tensor of x's dtype with unit last stride. `method` ("gemv" or "gemm") and `block_n` (a power
-    of two; at least 16 for "gemm") override the heuristics.
+    tensor of x's dtype with unit last stride. `method` ("mmvq", "gemv" or "gemm") and `block_n`
+    (a power of two; at least 16 for "gemm") override the heuristics (`default_method`).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     t, h = x.shape
@@ -261,8 +361,32 @@ def fused_moe(
         raise ValueError(f"out must be [{t}, {h}] {x.dtype} with unit last stride")
     if t == 0:
         return out
-    method = method or ("gemv" if a <= GEMV_MAX_ASSIGNMENTS else "gemm")
+    method = method or default_method(a, gate, up, down)
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
+    if method == "mmvq":
+        if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+            raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
+        block_n = block_n or 16
+        asm = use_asm(x.device)
+        xa = quantize_q8(x)  # [T, H] -> q8 blocks
+        hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
+        hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
+        hs = torch.empty_like(hd)
+        _gate_up_mmvq_kernel[(a, f // 32)](
+            xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs,
+            xa.q.stride(0), xa.d.stride(0), *strides,
+            F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+            UNROLL=unroll_for(h // 256), ASM=asm, num_warps=4,
+        )  # fmt: skip
+        y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
+        _down_mmvq_kernel[(a, triton.cdiv(h, block_n))](
+            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, y,
+            h, down.data.stride(0), down.data.stride(1),
+            QD=int(down.qtype), F_GROUPS=f // 256, BLOCK_N=block_n,
+            UNROLL=unroll_for(f // 256), ASM=asm, num_warps=4,
+        )  # fmt: skip
+        _sum_topk_kernel[(t, triton.cdiv(h, 256))](y, out, h, out.stride(0), TOPK=k, BLOCK=256)
+        return out
     if method == "gemv":
         block_n = block_n or 16
         hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]
@@ -280,7 +404,7 @@ def fused_moe(
         )  # fmt: skip
         return out
     if method != "gemm":
-        raise ValueError(f"method must be 'gemv' or 'gemm', got {method!r}")
+        raise ValueError(f"method must be 'mmvq', 'gemv' or 'gemm', got {method!r}")
     num_experts = expert_slot.shape[0]
     block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
         a / num_experts, x.dtype

@@ -28,6 +28,10 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # up to 8 rows, but from 2 rows its per-row FMAs cost ~3x the instructions of the GEMM's
 # tensor-core path (SASS counts for sm_90); bench/kernels_gpu.py times both.
 GEMV_MAX_M = 1
+# Rows up to which weights of MMVQ_QTYPES take the integer-dot decode kernel (`kernels.mmvq`:
+# activations rounded to 8 bits per block of 32, as llama.cpp's GPU decode path does).
+MMVQ_MAX_M = 8
+MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -59,7 +63,8 @@ def _use_kernels(x: torch.Tensor, *weights: QTensor) -> bool:
 def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
-    On the kernel path, up to GEMV_MAX_M rows go to the decode GEMV, more to the tiled GEMM.
+    On the kernel path, up to MMVQ_MAX_M rows of a weight in MMVQ_QTYPES go to the integer-dot
+    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, more to the tiled GEMM.
     """
     if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
         return quant_matmul_ref(x, w)
@@ -67,7 +72,11 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= GEMV_MAX_M:
+    if x2.shape[0] <= MMVQ_MAX_M and w.qtype in MMVQ_QTYPES:
+        from moestream.kernels.mmvq import mmvq, quantize_q8
+
+        y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
+    elif x2.shape[0] <= GEMV_MAX_M:
         from moestream.kernels.quant_gemv import quant_gemv
 
         y = quant_gemv(x2, w)

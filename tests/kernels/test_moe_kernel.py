@@ -22,7 +22,12 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from moestream.kernels.moe import align_assignments, fused_moe  # noqa: E402
+from moestream.kernels.moe import (  # noqa: E402
+    align_assignments,
+    default_method,
+    fused_moe,
+    moe_mmvq_ref,
+)
 
 T = GGMLQuantizationType
 
@@ -83,6 +88,29 @@ def test_fused_moe_matches_reference(experts, method, t, k, dtype):
     fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
     ref = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)  # float32
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("t, k, dtype", [(1, 2, torch.float32), (3, 3, torch.bfloat16)])
+def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
+    """The integer-dot decode path against its own reference (8-bit x and h, exact weights),
+    and against the float reference within 8-bit activation rounding."""
+    gate, up, down = experts
+    g = torch.Generator().manual_seed(t * 10 + k + 1)
+    x = torch.randn(t, H, generator=g).to(DEVICE, dtype)
+    ids, weights = routing(t, k, RESIDENT, seed=t + 7)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    out = torch.full((t, H), float("nan"), dtype=dtype, device=DEVICE)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", block_n=64)
+    ref = moe_mmvq_ref(x, ids, weights, gate, up, down, slot)
+    assert rel_err(out, ref) < (2e-3 if dtype == torch.float32 else 2e-2)
+    exact = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)
+    assert rel_err(out, exact) < 5e-2
+    # each token's result does not depend on the other tokens in the batch
+    one = torch.empty((1, H), dtype=dtype, device=DEVICE)
+    fused_moe(x[-1:], ids[-1:], weights[-1:], gate, up, down, slot, out=one, method="mmvq",
+              block_n=64)  # fmt: skip
+    assert torch.equal(one[0], out[-1])
+    assert default_method(t * k, gate, up, down) == "mmvq"
 
 
 def test_fused_moe_q8_0_and_int32_ids():
