@@ -3,6 +3,8 @@
 moestream bench MODEL [--prompt-lens 512,4096] [--decode-depths 0,4096] [--repeats 3] ...
 moestream bench MODEL --compare "--max-num-batched-tokens 512" "--max-num-batched-tokens 2048"
 moestream bench MODEL --compare-checkouts ../main-old ../main-new
+moestream bench MODEL --prefix-reuse 32k:31k        # cold vs warm TTFT with a shared prefix
+moestream bench MODEL --verify-curve 1,2,4,8,16     # step cost of k tokens per request vs k=1
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ _CHILD_OPTIONS = (
     "warmup",
     "seed",
     "copy_bandwidth",
+    "concurrency",
+    "concurrency_prompt",
+    "prefix_reuse",
+    "verify_curve",
+    "verify_batches",
+    "verify_tau",
 )
 
 
@@ -36,6 +44,42 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one token count")
     return values
+
+
+def _positive_list(text: str) -> tuple[int, ...]:
+    values = _int_list(text)
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
+
+
+def _tau_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        msg = f"expected comma-separated numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not values or not all(v >= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected tau values >= 1, got {text!r}")
+    return values
+
+
+def _prefix_reuse(text: str) -> tuple[int, int]:
+    """'LEN[:SHARED]' -> (LEN, SHARED); SHARED defaults to LEN - 1024."""
+    n_text, _, shared_text = text.partition(":")
+    try:
+        n = _parse_count(n_text)
+        shared = _parse_count(shared_text) if shared_text else n - 1024
+    except ValueError:
+        msg = f"expected LEN[:SHARED] token counts, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not shared_text and shared < 1:
+        raise argparse.ArgumentTypeError(
+            f"SHARED defaults to LEN - 1024, which needs LEN > 1024; give LEN:SHARED, got {text!r}"
+        )
+    if not 1 <= shared < n:
+        raise argparse.ArgumentTypeError(f"expected 1 <= SHARED < LEN, got {text!r}")
+    return n, shared
 
 
 def _parse_count(x: str) -> int:
@@ -79,7 +123,41 @@ def add_bench_parser(
         "(default: no sweep)",
     )
     g.add_argument(
-        "--concurrency-prompt", type=int, default=128, help="prompt tokens per request in the sweep"
+        "--concurrency-prompt",
+        type=int,
+        default=128,
+        help="prompt tokens per request in the sweep (and the --verify-curve context depth)",
+    )
+    g.add_argument(
+        "--prefix-reuse",
+        type=_prefix_reuse,
+        default=None,
+        metavar="LEN[:SHARED]",
+        help="time to first token of a fresh LEN-token prompt (cold) and of one sharing its "
+        "first SHARED tokens (warm, served by the prefix cache), e.g. 32k:31k (SHARED "
+        "default LEN - 1024; default: off)",
+    )
+    g.add_argument(
+        "--verify-curve",
+        type=_positive_list,
+        default=(),
+        metavar="KS",
+        help="step cost when each request feeds k tokens (its last + k - 1 drafts) relative "
+        "to plain decode (k=1), e.g. 1,2,4,8,16, at depth --concurrency-prompt (default: off)",
+    )
+    g.add_argument(
+        "--verify-batches",
+        type=_positive_list,
+        default=(1, 4, 16),
+        metavar="BS",
+        help="requests per step for --verify-curve (default 1,4,16)",
+    )
+    g.add_argument(
+        "--verify-tau",
+        type=_tau_list,
+        default=(2.0, 3.0, 4.0),
+        metavar="TAUS",
+        help="mean accepted lengths for the implied speedup tau / cost(k) (default 2,3,4)",
     )
     g.add_argument("--repeats", type=int, default=3, help="measured runs per row")
     g.add_argument("--warmup", type=int, default=1, help="discarded runs per row")
@@ -149,10 +227,11 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     out = [str(args.model)]
     for name in _CHILD_OPTIONS:
         value = getattr(args, name)
-        if value is None:
+        if value is None or value == ():
             continue
         flag = "--" + name.replace("_", "-")
-        out += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+        sep = ":" if name == "prefix_reuse" else ","
+        out += [flag, sep.join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return out + _engine_argv(args)
 
 
@@ -207,6 +286,10 @@ def _run_single(args: argparse.Namespace) -> dict[str, Any]:
         copy_bandwidth_gbps=args.copy_bandwidth,
         concurrency=tuple(args.concurrency),
         concurrency_prompt=args.concurrency_prompt,
+        prefix_reuse=args.prefix_reuse,
+        verify_ks=tuple(args.verify_curve),
+        verify_batches=tuple(args.verify_batches),
+        verify_tau=tuple(args.verify_tau),
     )
     measured = None
     if config.copy_bandwidth_gbps is None:

@@ -25,6 +25,9 @@ and `decode` (`{"rows": [...]}`, each row with `samples`, the raw measurements).
 does not apply is absent, never empty.
 
 `speculative` (spec_section.py): plain vs speculative decode with tau, when the LLM speculates.
+`prefix_reuse` (prefix_section.py, `--prefix-reuse LEN[:SHARED]`): cold vs warm time to first
+token when the prefix cache serves SHARED tokens. `verify_cost` (verify_section.py,
+`--verify-curve`): the cost of a step that scores k tokens per request, relative to k = 1.
 
 Adding a section (concurrency sweep, expert-tier counters): write
 a class with the `Section` members below (`run` returns the section's JSON or None when it does
@@ -57,7 +60,9 @@ from moestream.bench.machine import (
     synchronize,
 )
 from moestream.bench.power import PowerSampler, open_power_sampler
+from moestream.bench.prefix_section import PrefixReuseSection
 from moestream.bench.spec_section import SpecSection
+from moestream.bench.verify_section import VerifyCostSection
 from moestream.errors import RequestError
 from moestream.types import SamplingParams
 
@@ -76,7 +81,11 @@ class BenchConfig:
     seed: int = 0
     copy_bandwidth_gbps: float | None = None  # None: measure it on the device
     concurrency: tuple[int, ...] = ()  # the concurrency sweep's levels (empty: no sweep)
-    concurrency_prompt: int = 128  # prompt tokens of each request in the sweep
+    concurrency_prompt: int = 128  # prompt tokens of each request in the sweep (and verify)
+    prefix_reuse: tuple[int, int] | None = None  # (LEN, SHARED) of the prefix-reuse section
+    verify_ks: tuple[int, ...] = ()  # tokens per request of the verify-cost curve (empty: off)
+    verify_batches: tuple[int, ...] = (1, 4, 16)  # requests per verify step
+    verify_tau: tuple[float, ...] = (2.0, 3.0, 4.0)  # tau values for the implied speedup
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -91,6 +100,14 @@ class BenchConfig:
             raise RequestError(f"--decode-depths must be >= 0, got {list(self.decode_depths)}")
         if any(c < 1 for c in self.concurrency) or self.concurrency_prompt < 1:
             raise RequestError("--concurrency levels and --concurrency-prompt must be >= 1")
+        if self.prefix_reuse is not None:
+            n, shared = self.prefix_reuse
+            if not 1 <= shared < n:
+                raise RequestError(f"--prefix-reuse needs 1 <= SHARED < LEN, got {n}:{shared}")
+        if any(k < 1 for k in self.verify_ks) or any(b < 1 for b in self.verify_batches):
+            raise RequestError("--verify-curve ks and --verify-batches must be >= 1")
+        if any(not t >= 1 for t in self.verify_tau):
+            raise RequestError(f"--verify-tau values must be >= 1, got {list(self.verify_tau)}")
         if self.copy_bandwidth_gbps is not None and self.copy_bandwidth_gbps <= 0:
             raise RequestError(f"--copy-bandwidth must be positive, got {self.copy_bandwidth_gbps}")
 
@@ -396,6 +413,8 @@ SECTIONS: tuple[Section, ...] = (
     DecodeSection(),
     ConcurrencySection(),
     SpecSection(),
+    PrefixReuseSection(),
+    VerifyCostSection(),
     ExpertsSection(),
 )
 
