@@ -123,12 +123,16 @@ def dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _word16(p):
-    """The int32 at byte pointer(s) `p` (2-byte aligned), from two 16-bit loads."""
-    h = p.to(tl.pointer_type(tl.int16))
-    lo = tl.load(h).to(tl.int32) & 0xFFFF
-    hi = tl.load(h + 1).to(tl.int32)
-    return lo | (hi << 16)
+def _i2f(i):
+    """float32(i) for int32 |i| < 2^22 in two full-rate ops (an int-to-float conversion runs at
+    a fraction of the rate): the bits of 1.5 * 2^23 + i, minus 1.5 * 2^23."""
+    return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
+def _word16(h):
+    """The int32 at int16 pointer(s) `h` (2-byte aligned), from two 16-bit loads."""
+    return (tl.load(h).to(tl.int32) & 0xFFFF) | (tl.load(h + 1).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -137,130 +141,136 @@ def _f16(p):
 
 
 @triton.jit
-def _dot_q4_k(rows, sb, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
-    """Group `sb` of rows [BN] (Q4_K, or Q5_K when Q5) against the activation row (xq words,
-    xd/xs scales) -> float32 [BN]. Word (c, w): bytes 32c + 4w of qs; its low nibbles are
-    sub-block 2c, elements 4w..4w+3 (k = 64c + 4w + i), its high nibbles sub-block 2c + 1."""
+def _acc_q4_k(acc, accm, rows, sb, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
+    """Add group `sb` of Q4_K (Q5_K when Q5) rows to acc [MB, BN, 4, 8] (scaled dots) and accm
+    [MB, BN, 4, 1] (min terms, to subtract). rows [1, BN, 1, 1] byte pointers; xq (int32),
+    xd, xs (float32) [MB, 1, 1, 1] pointers to each activation row. Word (c, w) = bytes
+    32c + 4w of qs: low nibbles sub-block 2c (k = 64c + 4w + i), high nibbles sub-block 2c + 1."""
     BLK: tl.constexpr = 176 if Q5 else 144
     QS: tl.constexpr = 48 if Q5 else 16
-    blk = rows[:, None, None] + sb * BLK  # [BN, 1, 1]
-    c = tl.arange(0, 4)[None, :, None]
-    w = tl.arange(0, 8)[None, None, :]
-    qs = tl.load((blk + QS + 32 * c + 4 * w).to(tl.pointer_type(tl.int32)))  # [BN, 4, 8]
+    blk = rows + sb * BLK  # [1, BN, 1, 1]
+    c = tl.arange(0, 4)[None, None, :, None]
+    w = tl.arange(0, 8)[None, None, None, :]
+    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w)  # [1, BN, 4, 8]
     lo = qs & 0x0F0F0F0F
     hi = (qs >> 4) & 0x0F0F0F0F
     if Q5:
-        qh = tl.load((blk + 16 + 4 * w).to(tl.pointer_type(tl.int32)))  # [BN, 1, 8]
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w)  # [1, BN, 1, 8]
         lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
         hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-    xw = xq + sb * 64 + 16 * c + w  # [1, 4, 8]
-    zero = tl.zeros(qs.shape, tl.int32)
-    i0 = tl.sum(dp4a(lo, tl.load(xw), zero, ASM), axis=2)  # [BN, 4] sub-block 2c
-    i1 = tl.sum(dp4a(hi, tl.load(xw + 8), zero, ASM), axis=2)  # [BN, 4] sub-block 2c + 1
-    blk2 = rows[:, None] + sb * BLK  # [BN, 1]
-    c2 = tl.arange(0, 4)[None, :]  # [1, 4]
-    sc0, mn0 = _k_scale_min(blk2 + 4, 2 * c2)  # [BN, 4]
-    sc1, mn1 = _k_scale_min(blk2 + 4, 2 * c2 + 1)
-    d = _f16(blk2)
-    dmin = _f16(blk2 + 2)
-    b0 = sb * 8 + 2 * c2  # [1, 4] activation block of sub-block 2c
-    xd0, xs0 = tl.load(xd + b0), tl.load(xs + b0)
+    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, 4, 8]
+    zero = tl.zeros(acc.shape, tl.int32)
+    f0 = _i2f(dp4a(lo + zero, tl.load(xw) + zero, zero, ASM))  # [MB, BN, 4, 8]
+    f1 = _i2f(dp4a(hi + zero, tl.load(xw + 8) + zero, zero, ASM))
+    sc0, mn0 = _k_scale_min(blk + 4, 2 * c)  # [1, BN, 4, 1]
+    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1)
+    d = _f16(blk)
+    dmin = _f16(blk + 2)
+    b0 = sb * 8 + 2 * c  # [1, 1, 4, 1] activation block of sub-block 2c
+    xd0, xs0 = tl.load(xd + b0), tl.load(xs + b0)  # [MB, 1, 4, 1]
     xd1, xs1 = tl.load(xd + b0 + 1), tl.load(xs + b0 + 1)
-    part = d * (sc0 * xd0 * i0.to(tl.float32) + sc1 * xd1 * i1.to(tl.float32))
-    part -= dmin * (mn0 * xs0 + mn1 * xs1)
-    return tl.sum(part, axis=1)
+    acc += (d * sc0 * xd0) * f0 + (d * sc1 * xd1) * f1
+    accm += dmin * (mn0 * xs0 + mn1 * xs1)
+    return acc, accm
 
 
 @triton.jit
-def _dot_q6_k(rows, sb, xq, xd, xs, ASM: tl.constexpr):
-    """Group `sb` (Q6_K, 210 bytes) -> float32 [BN]. Half n (128 values), quarter r = 2p + t,
-    word w = 4e + j: ql word at 64n + 32t + 4w (nibble p), qh word at 128 + 32n + 4w (bits 2r);
-    values k = 128n + 32r + 4w + i, minus 32; int8 scale 8n + 2r + e (one per 16 values)."""
-    blk = rows[:, None, None, None, None] + sb * 210  # [BN, 1, 1, 1, 1]
-    n = tl.arange(0, 2)[None, :, None, None, None]
-    t = tl.arange(0, 2)[None, None, :, None, None]
-    e = tl.arange(0, 2)[None, None, None, :, None]
-    j = tl.arange(0, 4)[None, None, None, None, :]
-    w = 4 * e + j
-    ql = _word16(blk + 64 * n + 32 * t + 4 * w)  # [BN, 2, 2, 2, 4]
-    qh = _word16(blk + 128 + 32 * n + 4 * w)  # [BN, 2, 1, 2, 4]
+def _acc_q6_k(acc, rows, sb, xq, xd, ASM: tl.constexpr):
+    """Add group `sb` of Q6_K rows (210-byte blocks) to acc [MB, BN, 4, 8]. Index c = 2n + t:
+    half n (128 values), quarter r = 2p + t; word w: ql word at 64n + 32t + 4w (nibble p), qh
+    word at 128 + 32n + 4w (bits 2r); values k = 128n + 32r + 4w + i, minus 32; int8 scale
+    8n + 2r + w // 4 (one per 16 values); d float16 at 208."""
+    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, 1, 1]
+    c = tl.arange(0, 4)[None, None, :, None]
+    w = tl.arange(0, 8)[None, None, None, :]
+    n = c // 2
+    t = c % 2
+    ql = _word16(h + 32 * n + 16 * t + 2 * w)  # [1, BN, 4, 8]
+    qh = _word16(h + 64 + 16 * n + 2 * w)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
-    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [1, 2, 2, 2, 4]
-    x0 = tl.load(xw)
-    x1 = tl.load(xw + 16)
-    zero = tl.zeros(ql.shape, tl.int32)
+    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, 4, 8]
+    zero = tl.zeros(acc.shape, tl.int32)
+    x0 = tl.load(xw) + zero
+    x1 = tl.load(xw + 16) + zero
     m32 = zero - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
-    s0 = tl.sum(dp4a(m32, x0, dp4a(v0, x0, zero, ASM), ASM), axis=4)  # [BN, 2, 2, 2]
-    s1 = tl.sum(dp4a(m32, x1, dp4a(v1, x1, zero, ASM), ASM), axis=4)
-    n4 = tl.arange(0, 2)[None, :, None, None]
-    t4 = tl.arange(0, 2)[None, None, :, None]
-    e4 = tl.arange(0, 2)[None, None, None, :]
-    sp = rows[:, None, None, None] + sb * 210 + 192 + 8 * n4 + 2 * t4 + e4  # [BN, 2, 2, 2]
-    sp = sp.to(tl.pointer_type(tl.int8))  # the scale of quarter r = t, run e
-    i0 = tl.sum(tl.load(sp).to(tl.int32) * s0, axis=3)  # [BN, 2, 2]
-    i1 = tl.sum(tl.load(sp + 4).to(tl.int32) * s1, axis=3)
-    n3 = tl.arange(0, 2)[None, :, None]
-    t3 = tl.arange(0, 2)[None, None, :]
-    b0 = sb * 8 + 4 * n3 + t3  # [1, 2, 2] activation block of quarter r = t
-    part = tl.load(xd + b0) * i0.to(tl.float32) + tl.load(xd + b0 + 2) * i1.to(tl.float32)
-    d = _f16(rows + sb * 210 + 208)  # [BN]
-    return d * tl.sum(tl.sum(part, axis=2), axis=1)
-
-
-@triton.jit
-def _dot_q8_0(rows, sb, xq, xd, xs, ASM: tl.constexpr):
-    """Group `sb` (eight Q8_0 blocks of 34 bytes: f16 d, int8 q[32]) -> float32 [BN]."""
-    b = tl.arange(0, 8)[None, :, None]
-    w = tl.arange(0, 8)[None, None, :]
-    blk = rows[:, None, None] + sb * 272 + 34 * b  # [BN, 8, 1]
-    q = _word16(blk + 2 + 4 * w)  # [BN, 8, 8]
-    xw = tl.load(xq + sb * 64 + 8 * b + w)  # [1, 8, 8]
-    idot = tl.sum(dp4a(q, xw, tl.zeros(q.shape, tl.int32), ASM), axis=2)  # [BN, 8]
-    b2 = tl.arange(0, 8)[None, :]
-    d = _f16(rows[:, None] + sb * 272 + 34 * b2)  # [BN, 8]
-    part = d * tl.load(xd + sb * 8 + b2) * idot.to(tl.float32)
-    return tl.sum(part, axis=1)
-
-
-@triton.jit
-def _dot_group(rows, sb, xq, xd, xs, QTYPE: tl.constexpr, ASM: tl.constexpr):
-    if QTYPE == Q4_K:
-        part = _dot_q4_k(rows, sb, xq, xd, xs, False, ASM)
-    elif QTYPE == Q5_K:
-        part = _dot_q4_k(rows, sb, xq, xd, xs, True, ASM)
-    elif QTYPE == Q6_K:
-        part = _dot_q6_k(rows, sb, xq, xd, xs, ASM)
-    else:
-        tl.static_assert(QTYPE == Q8_0, "mmvq: unsupported GGML type")
-        part = _dot_q8_0(rows, sb, xq, xd, xs, ASM)
-    return part
-
-
-@triton.jit
-def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, g_lo, GROUPS: tl.constexpr,
-              UNROLL: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-              M_ROWS: tl.constexpr, M_BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """Dot products float32 [M_BLOCK, BLOCK_N] (M_BLOCK = next power of two of M_ROWS; rows
-    past M_ROWS are zero) of weight rows `rows` ([BLOCK_N] uint8 pointers) with M_ROWS
-    quantized activation rows (xq: the first row's int32 words, xd/xs: its block scales; rows
-    `stride_q` words / `stride_d` blocks apart) over groups g_lo .. g_lo + GROUPS - 1 (GROUPS
-    a multiple of UNROLL). Each group's weight words are loaded once for all rows
-    (the per-row calls read the same addresses in one loop body; the compiler merges them), and
-    each row's sums run in the same order whatever M_BLOCK is (batch invariance)."""
-    acc = tl.zeros([M_BLOCK, BLOCK_N], tl.float32)
-    m = tl.arange(0, M_BLOCK)[:, None]
-    for i in range(0, GROUPS, UNROLL):
-        for u in tl.static_range(UNROLL):
-            sb = g_lo + i + u
-            if M_ROWS == 1:
-                acc += _dot_group(rows, sb, xq, xd, xs, QTYPE, ASM)[None, :]
-            else:
-                for mi in tl.static_range(M_ROWS):
-                    part = _dot_group(rows, sb, xq + mi * stride_q, xd + mi * stride_d,
-                                      xs + mi * stride_d, QTYPE, ASM)  # fmt: skip
-                    acc += tl.where(m == mi, part[None, :], 0.0)
+    sp = (rows + sb * 210 + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
+    sc0 = tl.load(sp).to(tl.int32)  # [1, BN, 4, 8]
+    sc1 = tl.load(sp + 4).to(tl.int32)
+    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, 4, 8]
+    f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1 + zero, x1, zero, ASM), ASM))
+    b0 = sb * 8 + 4 * n + t  # [1, 1, 4, 1] activation block of quarter r = t
+    d = _f16(rows + sb * 210 + 208)  # [1, BN, 1, 1]
+    acc += (d * tl.load(xd + b0)) * f0 + (d * tl.load(xd + b0 + 2)) * f1
     return acc
+
+
+@triton.jit
+def _acc_q8_0(acc, rows, sb, xq, xd, ASM: tl.constexpr):
+    """Add group `sb` of Q8_0 rows (eight 34-byte blocks: f16 d, int8 q[32]) to acc
+    [MB, BN, 8, 8] (block b, word w)."""
+    h = (rows + sb * 272).to(tl.pointer_type(tl.int16))  # [1, BN, 1, 1]
+    b = tl.arange(0, 8)[None, None, :, None]
+    w = tl.arange(0, 8)[None, None, None, :]
+    q = _word16(h + 17 * b + 1 + 2 * w)  # [1, BN, 8, 8]
+    zero = tl.zeros(acc.shape, tl.int32)
+    f = _i2f(dp4a(q + zero, tl.load(xq + sb * 64 + 8 * b + w) + zero, zero, ASM))
+    d = tl.load((h + 17 * b).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [1, BN, 8, 1]
+    acc += (d * tl.load(xd + sb * 8 + b)) * f
+    return acc
+
+
+@triton.jit
+def _tree_sum(x, MB: tl.constexpr, BN: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
+    """x [MB, BN, ...] with N = 2^LOG2N trailing elements per (m, n) -> [MB, BN], summed as a
+    fixed pairwise tree: the same bits whatever layout the compiler gives x (a plain tl.sum's
+    order follows the layout, which depends on MB: batch invariance needs this)."""
+    y = tl.reshape(x, [MB, BN, N])
+    for i in tl.static_range(LOG2N):
+        a, b = tl.split(tl.reshape(y, [MB, BN, N >> (i + 1), 2]))
+        y = a + b
+    return tl.reshape(y, [MB, BN])
+
+
+@triton.jit
+def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexpr,
+              UNROLL: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+              M_BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Dot products float32 [M_BLOCK, BLOCK_N] of weight rows `rows` ([BLOCK_N] uint8 pointers)
+    with M quantized activation rows (xq: row 0's int32 words, xd/xs: its block scales; rows
+    `stride_q` words / `stride_d` blocks apart; M <= M_BLOCK, a power of two; rows past M
+    repeat row M - 1) over groups g_lo .. g_lo + GROUPS - 1 (GROUPS a multiple of UNROLL).
+
+    Every weight word is loaded and unpacked once for all M rows; products accumulate
+    elementwise in float32 and are reduced once at the end by `_tree_sum`, so a row's result
+    has the same bits at any M (batch invariance)."""
+    m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[:, None, None, None]  # [MB, 1, 1, 1]
+    xq4 = xq + m * stride_q
+    xd4 = xd + m * stride_d
+    xs4 = xs + m * stride_d
+    r4 = rows[None, :, None, None]  # [1, BN, 1, 1]
+    if QTYPE == Q8_0:
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 8, 8], tl.float32)
+        for i in range(0, GROUPS, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc = _acc_q8_0(acc, r4, g_lo + i + u, xq4, xd4, ASM)
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 64, 6)
+    elif QTYPE == Q6_K:
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 4, 8], tl.float32)
+        for i in range(0, GROUPS, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc = _acc_q6_k(acc, r4, g_lo + i + u, xq4, xd4, ASM)
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32, 5)
+    else:
+        tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 4, 8], tl.float32)
+        accm = tl.zeros([M_BLOCK, BLOCK_N, 4, 1], tl.float32)
+        for i in range(0, GROUPS, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc, accm = _acc_q4_k(acc, accm, r4, g_lo + i + u, xq4, xd4, xs4, QTYPE == Q5_K,
+                                      ASM)  # fmt: skip
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32, 5) - _tree_sum(accm, M_BLOCK, BLOCK_N, 4, 2)
+    return out
 
 
 @triton.jit
@@ -304,31 +314,18 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
 
 
 @triton.jit
-def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M: tl.constexpr, N, stride_qm, stride_dm,
-                 stride_wn, stride_os, stride_om, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm, stride_wn,
+                 stride_os, stride_om, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                  M_BLOCK: tl.constexpr, GROUPS_PER_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
                  ASM: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn  # [BLOCK_N]
-    g_lo = pid_k * GROUPS_PER_SPLIT
     acc = mmvq_rows(
-        rows,
-        q_ptr,
-        d_ptr,
-        s_ptr,
-        stride_qm,
-        stride_dm,
-        g_lo,
-        GROUPS_PER_SPLIT,
-        UNROLL,
-        QTYPE,
-        BLOCK_N,
-        M,
-        M_BLOCK,
-        ASM,
-    )  # [M_BLOCK, BLOCK_N]
+        rows, q_ptr, d_ptr, s_ptr, stride_qm, stride_dm, M, pid_k * GROUPS_PER_SPLIT,
+        GROUPS_PER_SPLIT, UNROLL, QTYPE, BLOCK_N, M_BLOCK, ASM,
+    )  # [M_BLOCK, BLOCK_N]  # fmt: skip
     m = tl.arange(0, M_BLOCK)[:, None]
     dst = out_ptr + pid_k * stride_os + m * stride_om + n[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(m < M) & (n[None, :] < N))
@@ -344,16 +341,17 @@ class MmvqConfig(NamedTuple):
 
 
 def mmvq_config(n: int, k: int, sms: int) -> MmvqConfig:
-    """Row block 16 down to 4 while that leaves fewer than two programs per SM; K split (a power
-    of two, >= 2 groups per split) while programs are fewer than the SMs; two groups per loop
-    step where they divide. Independent of M (a row's result never depends on the batch)."""
+    """Row block 16 down to 2 while that leaves fewer than two programs per SM; a K split (a
+    power of two, >= 4 groups per split; its partials cost two more launches) only while the
+    programs would fill under half the SMs; two groups per loop step where they divide.
+    Independent of M (a row's result never depends on the batch)."""
     block_n = 16
-    while block_n > 4 and triton.cdiv(n, block_n) < 2 * sms:
+    while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
     programs = triton.cdiv(n, block_n)
     groups = k // 256
     split_k = 1
-    while programs * split_k < sms and groups % (split_k * 2) == 0 and groups // split_k >= 4:
+    while 2 * programs * split_k < sms and groups % (split_k * 2) == 0 and groups // split_k >= 8:
         split_k *= 2
     unroll = 2 if (groups // split_k) % 2 == 0 else 1
     return MmvqConfig(block_n, split_k, unroll, 4)

@@ -92,8 +92,8 @@ def _gate_up_mmvq_kernel(
     xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
     g_rows = g_ptr + slot * stride_ge + n * stride_gn  # [32]
     u_rows = u_ptr + slot * stride_ue + n * stride_un
-    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 0, H_GROUPS, UNROLL, QG, 32, 1, 1, ASM)  # [1, 32]
-    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 0, H_GROUPS, UNROLL, QU, 32, 1, 1, ASM)
+    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, UNROLL, QG, 32, 1, ASM)  # [1, 32]
+    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, UNROLL, QU, 32, 1, ASM)
     h = g * tl.sigmoid(g) * u  # [1, 32]
     amax = tl.max(tl.abs(h))
     inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
@@ -124,7 +124,7 @@ def _down_mmvq_kernel(
     a64 = a.to(tl.int64)
     hq = hq_ptr + a64 * (F_GROUPS * 64)
     hd, hs = hd_ptr + a64 * (F_GROUPS * 8), hs_ptr + a64 * (F_GROUPS * 8)
-    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 0, F_GROUPS, UNROLL, QD, BLOCK_N, 1, 1, ASM)
+    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 1, 0, F_GROUPS, UNROLL, QD, BLOCK_N, 1, ASM)
     tl.store(y_ptr + a64 * H + n[None, :], acc * weight, mask=n[None, :] < H)
 
 
