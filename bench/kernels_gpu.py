@@ -274,11 +274,11 @@ def sweep(gen, copy_gbs: float) -> None:
         groups = k // 256
         results = []
         default = mmvq_config(n, k, sms)
-        grid = itertools.product((4, 8, 16, 32), (1, 2, 4), (1, 2, 4), (2, 4, 8))
-        for block_n, split_k, unroll, warps in grid:
-            if groups % split_k or (groups // split_k) % unroll:
+        grid = itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8), (4, 8))
+        for block_n, split_k, g, warps in grid:
+            if groups % split_k or block_n * g > 256:
                 continue
-            cfg = MmvqConfig(block_n, split_k, unroll, warps)
+            cfg = MmvqConfig(block_n, split_k, g, warps)
             try:
                 r = bench_matmul("mmvq", 1, n, k, qtype, torch.bfloat16, gen=gen, config=cfg)
             except Exception as exc:  # a config the compiler rejects: report, go on

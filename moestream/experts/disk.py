@@ -39,6 +39,26 @@ def _as_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def drop_page_cache(path: str | os.PathLike[str]) -> bool:
+    """Ask the kernel to drop `path`'s clean pages from the page cache, without root
+    (`POSIX_FADV_DONTNEED` over the whole file), so the next reads come from the disk: the
+    "rest on disk, cold cache" case of a benchmark. Pages some process has mapped (e.g. tensors
+    the loader read through its memory map) stay; experts are read with `preadv`, so theirs
+    go. Returns False where the platform has no posix_fadvise (nothing dropped). Raises
+    ExpertReadError when the file cannot be opened."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ExpertReadError(f"{path}: cannot open the model file ({e.strerror})") from None
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return True
+
+
 class ExpertFileReader:
     """Positional reads of whole experts from one GGUF file; safe to call from many threads."""
 

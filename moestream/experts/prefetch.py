@@ -2,14 +2,26 @@
 (`StreamedMoE`) that, before a MoE layer runs, reads its routing, predicts the next layer's and
 brings both in.
 
-Per MoE layer i, `StreamedMoE` (1) applies layer i+1's router to layer i's FFN input (pre-gating:
-consecutive layers' hidden states are close, so this predicts most of i+1's experts) and
-prefetches the prediction; (2) loads layer i's routed experts that are missing, in parallel;
-(3) runs the layer, whose `weights(e)` calls then hit. In a verify pass of drafted tokens the
-same prediction covers the union of the drafted tokens' experts. Prediction costs one router
-matmul per layer; routing the layer twice (here and in SparseMoE) another; reading the routing
-on the host is one sync per streamed layer on CUDA (layers whose experts all fit on the device
-are never wrapped and stay sync-free).
+Per MoE layer i, `StreamedMoE` routes once and reads the routing on the host (one sync per
+streamed layer on CUDA, shared with the prediction's), then (1) applies layer i+1's router to
+layer i's FFN input (pre-gating: consecutive layers' hidden states are close, so this predicts
+most of i+1's experts) and prefetches the prediction; (2) loads layer i's routed experts that
+are missing, in parallel; (3) runs the layer on that routing (`SparseMoE.forward_routed`). In a
+verify pass of drafted tokens the same prediction covers the union of the drafted tokens'
+experts. The cost over a resident layer: the prediction's router matmul and the sync.
+
+How (3) runs, off the CPU (`fused_moe_path`):
+- the routed experts fit the layer's slots: they are loaded and pinned, and one
+  `ops.moe_forward` reads them through the slot table: the fused kernel on the same bytes as a
+  resident layer's, so the same result bit for bit;
+- they do not (small budgets): tokens are split into groups whose experts fit (`split_tokens`)
+  and each group's experts are pinned in turn for a pass of the fused kernel over all T rows
+  (the other rows routed to one of the group's experts and discarded), keeping the rows of the
+  group. The kernel's rows do not depend on each other for a fixed T (`moe_rows_independent`),
+  so this is the one-pass result, bit for bit, at the price of experts used by several groups
+  being loaded once per group; past `EXACT_USES_PER_EXPERT` uses per routed expert (long
+  prefills), and where the kernel does not run, the per-expert path (`weights(e)`) runs.
+On the CPU the layer runs expert by expert, as a resident layer does there.
 
 Letters: T tokens, H hidden size, E experts, k experts per token.
 """
@@ -22,12 +34,47 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moestream.layers.moe import route
+from moestream.layers import moe as moe_layer
 from moestream.weights.qtensor import QTensor
 
 if TYPE_CHECKING:
     from moestream.experts.store import ExpertStore
     from moestream.experts.tiers import ExpertViews
+
+# Token-group passes may use (pin, loading where missing) each routed expert this many times
+# on average before the per-expert path is cheaper in loads.
+EXACT_USES_PER_EXPERT = 8.0
+
+
+def split_tokens(
+    token_experts: Sequence[Sequence[int]], n_slots: int, max_uses: float | None = None
+) -> list[tuple[list[int], list[int]]] | None:
+    """Tokens in groups whose experts fit `n_slots` slots: (tokens, sorted experts) per group,
+    each token in the first group it fits (token order). None when the groups' expert counts
+    would add up to more than `max_uses`. Raises ValueError for a token with more experts than
+    slots."""
+    groups: list[tuple[list[int], int]] = []  # (tokens, expert bit mask)
+    uses = 0
+    for t, experts in enumerate(token_experts):
+        mask = 0
+        for e in experts:
+            mask |= 1 << int(e)
+        if mask.bit_count() > n_slots:
+            raise ValueError(f"token {t} uses {mask.bit_count()} experts, {n_slots} slots")
+        for i, (tokens, union) in enumerate(groups):
+            grown = union | mask
+            if grown.bit_count() <= n_slots:
+                tokens.append(t)
+                groups[i] = (tokens, grown)
+                uses += grown.bit_count() - union.bit_count()
+                break
+        else:
+            groups.append(([t], mask))
+            uses += mask.bit_count()
+        if max_uses is not None and uses > max_uses:
+            return None
+    return [(tokens, [e for e in range(union.bit_length()) if union >> e & 1])
+            for tokens, union in groups]  # fmt: skip
 
 
 class LayerExperts:
@@ -36,8 +83,11 @@ class LayerExperts:
     `weights(e)` returns views of e's device slot, loading it first on a miss; the views stay
     valid until the next `weights` call of this layer or `end()` (the expert is pinned until
     then). `begin(token_experts)` / `end()` bracket a forward: begin loads the routed experts
-    (as many as the slots hold) in parallel. For a fused kernel, `acquire(experts)` pins them all
-    and returns the device-side `expert_slot` table; `release()` unpins.
+    (as many as the slots hold) in parallel, pinning them for a fused kernel when asked. For a
+    fused kernel, `acquire(experts)` pins them all and returns the device-side `expert_slot`
+    table over `stacked()`; `release()` unpins. Counting: each routed expert of a forward is
+    one device hit or miss, counted where it is found or loaded; a token-group pass counts its
+    group's experts again (each pass needs them in place).
     """
 
     def __init__(self, store: ExpertStore, layer: int):
@@ -103,47 +153,68 @@ class LayerExperts:
             self.tier.cond.notify_all()
 
     # ---- forward bracket ---------------------------------------------------------------------
-    def begin(self, token_experts: Sequence[Sequence[int]]) -> None:
-        """A forward of this layer starts with this routing (each token's experts)."""
+    def begin(
+        self,
+        token_experts: Sequence[Sequence[int]],
+        load: Sequence[int] | None = None,
+        pin: bool = False,
+    ) -> None:
+        """A forward of this layer starts with this routing (each token's experts): counts it,
+        records it (eviction and promotion policies) and loads `load` (default: the routed
+        experts, as many as the slots hold) in parallel, counting hits, misses and the stall.
+        With `pin` (at most n_slots experts) `load` stays pinned until `release()` or `end()`,
+        and `expert_slot` maps it: the operands of a fused kernel."""
         routed = sorted({int(e) for experts in token_experts for e in experts})
         store = self.store
         if self.layer == 0:
             store.counters.add(tokens=len(token_experts))
         store.account_prediction(self.layer, set(routed))
         self._in_forward = True
-        if store.cuda:  # evictions order copies after the work queued on this stream
+        if store.cuda:  # loads order their copies after the work queued on this stream
             store.compute_stream = torch.cuda.current_stream(store.device)
         if self.fully_resident:
             store.counters.add(device_hits=len(routed))
             return
         with self.tier.cond:
             self._pending = set(routed)
-        store.load(self.layer, routed[: self.tier.n_slots], keep=routed)
-        store.record(self.layer, token_experts)
+        first = routed[: self.tier.n_slots] if load is None else sorted({int(e) for e in load})
+        if pin and len(first) > self.tier.n_slots:
+            raise ValueError(f"{len(first)} experts do not fit {self.tier.n_slots} slots")
+        store.load(self.layer, first, keep=routed, pin=pin)
+        if pin:
+            self._acquired += first
+        store.record(self.layer, token_experts)  # after the pins: promotions cannot evict them
 
     def end(self) -> None:
+        """The forward is over (its work enqueued): every pin it held is released."""
         with self.tier.cond:
             self._unpin_current()
             self._pending = set()
+        self.release()
         self._in_forward = False
 
     # ---- fused-kernel path -------------------------------------------------------------------
     def acquire(self, experts: Sequence[int]) -> torch.Tensor:
-        """Load and pin `experts` (at most n_slots distinct); the `expert_slot` table [E] int32
-        (-1 where absent) on the device, current for them. Pair with `release()`."""
-        want = sorted(set(int(e) for e in experts))
+        """Load and pin `experts` (at most n_slots distinct; the missing ones in parallel,
+        counted as hits, misses and the stall); the `expert_slot` table [E] int32 (-1 where
+        absent) on the device, current for them. Pair with `release()`.
+
+        When to release: as soon as the work that reads the slots is enqueued on the current
+        stream, not when it has run. A load that later takes one of the slots claims it first,
+        and its copy waits for an event recorded on the compute stream at the claim (after
+        that work), so it never overwrites a slot that queued work still reads."""
+        want = sorted({int(e) for e in experts})
         if len(want) > self.tier.n_slots:
             raise ValueError(f"{len(want)} experts do not fit {self.tier.n_slots} slots")
         if self.store.cuda:
             self.store.compute_stream = torch.cuda.current_stream(self.store.device)
         if not self.fully_resident:
-            self.store.load(self.layer, want, keep=want)
-            for e in want:
-                self.store._device_ready(self.layer, e, want, pin=True)
-                self._acquired.append(e)
+            self.store.load(self.layer, want, keep=set(want) | self.pending_snapshot(), pin=True)
+            self._acquired += want
         return self.expert_slot
 
     def release(self) -> None:
+        """Unpin what `acquire` (and `begin(pin=True)`) pinned (see `acquire` for when)."""
         with self.tier.cond:
             for e in self._acquired:
                 self.tier.dir.unpin(e)
@@ -152,8 +223,13 @@ class LayerExperts:
 
     @property
     def expert_slot(self) -> torch.Tensor:
-        """expert -> slot [E] int32 on the device (-1: not in a slot); refreshed from the host
-        mirror when it changed (a non-blocking copy on CUDA, on the caller's stream)."""
+        """expert -> slot [E] int32 on the device (-1: not in a slot); see `refresh_table`."""
+        return self.refresh_table()
+
+    def refresh_table(self) -> torch.Tensor:
+        """The `expert_slot` table, first copied from the host mirror if that changed (a
+        non-blocking copy on CUDA, on the caller's stream, so queued kernels read the table as
+        it was when they were enqueued). The entries of pinned experts stay valid."""
         if self.table_dirty:
             with self.tier.cond:
                 mirror = torch.tensor(self.tier.slot_mirror, dtype=torch.int32)
@@ -169,28 +245,96 @@ class LayerExperts:
 
 
 class StreamedMoE:
-    """A MoE layer (layers/moe.SparseMoE) run through the store: routing read first, this
-    layer's experts loaded in one batch, the next layer's predicted and prefetched. Attribute
-    reads and `experts` assignment go to the wrapped layer, so code that inspects
-    `model.moe_layers()` keeps working."""
+    """A MoE layer (layers/moe.SparseMoE) run through the store (module doc): routed once on
+    the device, the routing read on the host, the next layer's experts predicted and
+    prefetched, this layer's loaded in one batch, then the layer's experts run on that routing.
+    Attribute reads and `experts` assignment go to the wrapped layer, so code that inspects
+    `model.moe_layers()` keeps working. `paths` counts forwards by how they ran: "fused" (one
+    kernel over pinned slots), "passes" (token-group passes), "per_expert"."""
 
-    def __init__(self, moe: Any, experts: LayerExperts, next_router: QTensor | None):
+    def __init__(
+        self,
+        moe: Any,
+        experts: LayerExperts,
+        next_router: QTensor | None,
+        exact_uses_per_expert: float = EXACT_USES_PER_EXPERT,
+    ):
         self.__dict__["moe"] = moe
         self.__dict__["provider"] = experts
         self.__dict__["next_router"] = next_router
+        self.__dict__["exact_uses_per_expert"] = exact_uses_per_expert
+        self.__dict__["paths"] = {"fused": 0, "passes": 0, "per_expert": 0}
+
+    @property
+    def capturable(self) -> bool:
+        """Never: the forward reads the routing on the host."""
+        return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], exactly what the wrapped layer computes."""
         moe, provider = self.moe, self.provider
+        weights, ids = moe_layer.route(x, moe.router, moe.top_k, moe.norm_topk_prob)  # [T, k]
         if self.next_router is not None:
-            _, next_ids = route(x, self.next_router, moe.top_k, moe.norm_topk_prob)  # [T, k]
-            provider.store.predict(provider.layer + 1, set(next_ids.flatten().tolist()))
-        _, ids = route(x, moe.router, moe.top_k, moe.norm_topk_prob)  # [T, k]
-        provider.begin(ids.tolist())
+            _, next_ids = moe_layer.route(x, self.next_router, moe.top_k, moe.norm_topk_prob)
+            rows = torch.cat([ids, next_ids], dim=1).tolist()  # one host sync for both
+            token_experts = [row[: moe.top_k] for row in rows]
+            provider.store.predict(provider.layer + 1, {e for r in rows for e in r[moe.top_k :]})
+        else:
+            token_experts = ids.tolist()
         try:
-            return moe(x)
+            return self._forward(x, weights, ids, token_experts)
         finally:
-            provider.end()
+            provider.end()  # the work is enqueued: the pins may go (LayerExperts.acquire)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        token_experts: list[list[int]],
+    ) -> torch.Tensor:
+        moe, provider, paths = self.moe, self.provider, self.paths
+        routed = {e for experts in token_experts for e in experts}
+        if moe_layer.fused_moe_path(x) and not provider.fully_resident:
+            if len(routed) <= provider.n_slots:
+                provider.begin(token_experts, load=sorted(routed), pin=True)
+                paths["fused"] += 1
+                return moe.forward_routed(x, weights, ids, provider.expert_slot)
+            groups = None
+            if moe_layer.moe_rows_independent(x, *provider.stacked()):
+                max_uses = self.exact_uses_per_expert * len(routed)
+                groups = split_tokens(token_experts, provider.n_slots, max_uses)
+            if groups is not None:
+                provider.begin(token_experts, load=groups[0][1], pin=True)
+                paths["passes"] += 1
+                return self._passes(x, weights, ids, groups)
+        provider.begin(token_experts)
+        fused = provider.fully_resident and moe_layer.fused_moe_path(x)  # the layer's own table
+        paths["fused" if fused else "per_expert"] += 1
+        return moe.forward_routed(x, weights, ids)
+
+    def _passes(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        groups: list[tuple[list[int], list[int]]],
+    ) -> torch.Tensor:
+        """One fused pass over all T rows per token group (module doc); the first group's
+        experts were pinned by `begin`."""
+        provider = self.provider
+        out = None
+        for n, (tokens, experts) in enumerate(groups):
+            table = provider.expert_slot if n == 0 else provider.acquire(experts)
+            mask = torch.zeros(x.shape[0], dtype=torch.bool)
+            mask[tokens] = True
+            in_group = mask.to(x.device)[:, None]  # [T, 1]
+            group_ids = torch.where(in_group, ids, experts[0])  # [T, k] only pinned experts
+            y = self.moe.forward_routed(x, weights, group_ids, table)  # [T, H]
+            out = y if out is None else torch.where(in_group, y, out)
+            provider.release()  # this pass is enqueued; later loads wait for it
+        assert out is not None
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["moe"], name)

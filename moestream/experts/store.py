@@ -10,10 +10,12 @@ Loads: a demand load runs on the demand pool (a forward's misses in parallel) or
 thread; a prefetch (`prefetch`, `predict`) on the prefetch pool, never blocking the caller. A
 load claims a slot under the layer's lock (the directory picks the victim), copies outside it and
 publishes the expert when its bytes are in place; whoever needs the expert meanwhile waits on the
-layer's condition. The expert whose views the compute thread holds is pinned, so no concurrent
-load overwrites its slot. On CUDA copies run on a side stream that first waits for the compute
-work queued before the eviction, and the I/O thread waits for the copy before publishing; on the
-CPU the "device" tier is CPU memory and copies are plain memcpy.
+layer's condition. The experts whose slots the compute thread is enqueueing work on are pinned
+(one expert's views, or a fused kernel's whole set), so no concurrent load claims their slots.
+On CUDA copies run on a side stream that first waits for the compute work queued before the
+claim (an event recorded on the compute stream), so pins may be dropped as soon as the work
+that reads the slots is enqueued, never waiting for it to run; the I/O thread waits for the
+copy before publishing. On the CPU the "device" tier is CPU memory and copies are memcpy.
 
 Errors: a failed read raises `ExpertReadError` (file, layer, expert) in the thread that needs the
 expert; a failed prefetch is counted and retried when the expert is demanded.
@@ -136,6 +138,8 @@ class ExpertStore:
                         assert claimed is not None
                         jobs.append(self._demand_pool.submit(self._fill, i, e, *claimed, False))
         self._wait(jobs)
+        for i in layers:  # now, so a fully resident layer's forward never copies its table
+            self.layers[i].refresh_table()
         self.counters.reset()
 
     def close(self) -> None:
@@ -171,20 +175,29 @@ class ExpertStore:
                             assert tier.dir.slot_of.get(e) == s and tier.dir.is_ready(e)
 
     # ---- demand ------------------------------------------------------------------------------
-    def load(self, layer: int, experts: Sequence[int], keep: Iterable[int] = ()) -> None:
+    def load(
+        self, layer: int, experts: Sequence[int], keep: Iterable[int] = (), pin: bool = False
+    ) -> None:
         """Block until `experts` (at most the layer's slot count) are in device slots, loading
-        the missing ones in parallel; counts hits, misses and the stall."""
+        the missing ones in parallel; counts hits, misses and the stall. With `pin` every one
+        of `experts` is left pinned (the caller unpins), or none when this raises; the ready
+        ones are pinned first, so the loads of the others cannot evict them."""
         tier = self.device_tiers[layer]
         keep = set(keep) | set(experts)
         start = time.perf_counter()
         jobs: list[Future[None]] = []
         waits: list[int] = []
+        loads: list[int] = []
+        pinned: list[int] = []
         hits = useful = late = 0
         with tier.cond:
             for e in experts:
                 if tier.dir.is_ready(e):
                     hits += 1
                     useful += tier.dir.use(e)
+                    if pin:
+                        tier.dir.pin(e)
+                        pinned.append(e)
                 elif tier.dir.is_mapped(e):
                     late += 1
                     waits.append(e)
@@ -194,11 +207,24 @@ class ExpertStore:
                         waits.append(e)
                         continue
                     slot, ev = claimed
+                    loads.append(e)
                     jobs.append(self._demand_pool.submit(self._fill, layer, e, slot, ev, False))
         misses = len(experts) - hits
-        self._wait(jobs)
-        for e in waits:
-            self._device_ready(layer, e, keep, pin=False)
+        try:
+            self._wait(jobs)
+            for e in loads if pin else ():  # ours: ready unless evicted since; pinned before
+                self._device_ready(layer, e, keep, pin=True)  # the waits below claim slots
+                pinned.append(e)
+            for e in waits:
+                self._device_ready(layer, e, keep, pin=pin)
+                if pin:
+                    pinned.append(e)
+        except BaseException:
+            with tier.cond:
+                for e in pinned:
+                    tier.dir.unpin(e)
+                tier.cond.notify_all()
+            raise
         with tier.cond:
             for e in waits:
                 useful += tier.dir.use(e)
@@ -314,20 +340,23 @@ class ExpertStore:
         self, layer: int, tier: TierLayer, e: int, keep: Iterable[int]
     ) -> tuple[int, Any] | None:
         """Under tier.cond: a device slot for `e` (marked loading), and the CUDA event the copy
-        must wait for (the compute work queued before the eviction), or None if none is free."""
+        must wait for (the compute work queued before the claim), or None if none is free."""
         claimed = tier.dir.claim(e, keep)
         if claimed is None:
             return None
         slot, evicted = claimed
         tier.failed.pop(e, None)
-        ev = None
         if evicted is not None:
             tier.slot_mirror[evicted] = -1
             self.layers[layer].table_dirty = True
             self.counters.add(evictions_device=1)
-            if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record(self.compute_stream)
+        ev = None
+        if self.cuda:
+            # Every claim, not only evictions: a slot freed by a failed load may still be read
+            # by queued work of the expert evicted before it. Unpinning after enqueueing is safe
+            # because of this event (LayerExperts.acquire).
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)
         return slot, ev
 
     def _fill(self, layer: int, e: int, slot: int, evict_event: Any, prefetch: bool) -> None:

@@ -54,6 +54,9 @@ class SlotBuffers:
             tuple(_qtensor(b[s], t) for b, t in zip(self.buffers, self.tensors))
             for s in range(n_slots)
         ]
+        self._stacked = tuple(
+            _qtensor(b, t, (n_slots,)) for b, t in zip(self.buffers, self.tensors)
+        )  # gate, up [S, F, H], down [S, H, F]
 
     @property
     def nbytes(self) -> int:
@@ -67,10 +70,9 @@ class SlotBuffers:
         return self._views[slot]  # type: ignore[return-value]
 
     def stacked(self) -> ExpertViews:
-        """gate, up [S, F, H] and down [S, H, F] over all slots (the fused kernel's operands)."""
-        return tuple(  # type: ignore[return-value]
-            _qtensor(b, t, (self.n_slots,)) for b, t in zip(self.buffers, self.tensors)
-        )
+        """gate, up [S, F, H] and down [S, H, F] over all slots (the fused kernel's operands;
+        views made once, at build)."""
+        return self._stacked  # type: ignore[return-value]
 
 
 class TierLayer:

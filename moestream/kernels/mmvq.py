@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels._triton_dequant import _k_scale_min, check_weight, num_sms
+from moestream.kernels._triton_dequant import check_weight, num_sms
 from moestream.kernels.ops import MMVQ_QTYPES
 from moestream.weights.qtensor import QTensor
 
@@ -130,93 +130,123 @@ def _i2f(i):
 
 
 @triton.jit
-def _word16(h):
-    """The int32 at int16 pointer(s) `h` (2-byte aligned), from two 16-bit loads."""
-    return (tl.load(h).to(tl.int32) & 0xFFFF) | (tl.load(h + 1).to(tl.int32) << 16)
+def _word16(h, ok):
+    """The int32 at int16 pointer(s) `h` (2-byte aligned), from two 16-bit loads (0 where not
+    `ok`)."""
+    lo = tl.load(h, mask=ok, other=0).to(tl.int32) & 0xFFFF
+    return lo | (tl.load(h + 1, mask=ok, other=0).to(tl.int32) << 16)
 
 
 @triton.jit
-def _f16(p):
-    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+def _f16(p, ok):
+    return tl.load(p.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _acc_q4_k(acc, accm, rows, sb, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
-    """Add group `sb` of Q4_K (Q5_K when Q5) rows to acc [MB, BN, 4, 8] (scaled dots) and accm
-    [MB, BN, 4, 1] (min terms, to subtract). rows [1, BN, 1, 1] byte pointers; xq (int32),
-    xd, xs (float32) [MB, 1, 1, 1] pointers to each activation row. Word (c, w) = bytes
-    32c + 4w of qs: low nibbles sub-block 2c (k = 64c + 4w + i), high nibbles sub-block 2c + 1."""
+def _k_scale_min(sp, s, ok):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block `s` (0..7) from the 12 scale bytes at `sp`
+    (0 where not `ok`); the layout of `_triton_dequant._k_scale_min`."""
+    low = s < 4
+    i = tl.where(low, s, s - 4)
+    a = tl.load(sp + i, mask=ok, other=0).to(tl.int32)
+    b = tl.load(sp + 4 + i, mask=ok, other=0).to(tl.int32)
+    pk = tl.load(sp + 8 + i, mask=ok, other=0).to(tl.int32)
+    sc = tl.where(low, a & 63, (pk & 15) | ((a >> 2) & 48))
+    mn = tl.where(low, b & 63, (pk >> 4) | ((b >> 2) & 48))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _acc_q4_k(acc, accm, rows, g0, g_hi, xq, xd, xs, G: tl.constexpr, Q5: tl.constexpr,
+              ASM: tl.constexpr):  # fmt: skip
+    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q4_K rows (Q5_K when Q5) to acc
+    [MB, BN, 4G, 8] (scaled dots) and accm [MB, BN, 4G, 1] (min terms, to subtract). rows
+    [1, BN, 1, 1] byte pointers; xq (int32), xd, xs (float32) [MB, 1, 1, 1] pointers to each
+    activation row. Index (4g + c, w): group g0 + g, word w of its 32-byte run c of qs: low
+    nibbles sub-block 2c (k = 64c + 4w + i), high nibbles sub-block 2c + 1."""
     BLK: tl.constexpr = 176 if Q5 else 144
     QS: tl.constexpr = 48 if Q5 else 16
-    blk = rows + sb * BLK  # [1, BN, 1, 1]
-    c = tl.arange(0, 4)[None, None, :, None]
+    gc = tl.arange(0, 4 * G)[None, None, :, None]
+    sb = g0 + gc // 4
+    c = gc % 4
     w = tl.arange(0, 8)[None, None, None, :]
-    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w)  # [1, BN, 4, 8]
-    lo = qs & 0x0F0F0F0F
+    ok = sb < g_hi  # [1, 1, 4G, 1]
+    blk = rows + sb * BLK  # [1, BN, 4G, 1]
+    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=ok, other=0)
+    lo = qs & 0x0F0F0F0F  # [1, BN, 4G, 8]
     hi = (qs >> 4) & 0x0F0F0F0F
     if Q5:
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w)  # [1, BN, 1, 8]
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=ok, other=0)
         lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
         hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, 4, 8]
+    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, 4G, 8]
     zero = tl.zeros(acc.shape, tl.int32)
-    f0 = _i2f(dp4a(lo + zero, tl.load(xw) + zero, zero, ASM))  # [MB, BN, 4, 8]
-    f1 = _i2f(dp4a(hi + zero, tl.load(xw + 8) + zero, zero, ASM))
-    sc0, mn0 = _k_scale_min(blk + 4, 2 * c)  # [1, BN, 4, 1]
-    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1)
-    d = _f16(blk)
-    dmin = _f16(blk + 2)
-    b0 = sb * 8 + 2 * c  # [1, 1, 4, 1] activation block of sub-block 2c
-    xd0, xs0 = tl.load(xd + b0), tl.load(xs + b0)  # [MB, 1, 4, 1]
-    xd1, xs1 = tl.load(xd + b0 + 1), tl.load(xs + b0 + 1)
+    f0 = _i2f(dp4a(lo + zero, tl.load(xw, mask=ok, other=0) + zero, zero, ASM))
+    f1 = _i2f(dp4a(hi + zero, tl.load(xw + 8, mask=ok, other=0) + zero, zero, ASM))
+    sc0, mn0 = _k_scale_min(blk + 4, 2 * c, ok)  # [1, BN, 4G, 1]
+    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1, ok)
+    d = _f16(blk, ok)
+    dmin = _f16(blk + 2, ok)
+    b0 = sb * 8 + 2 * c  # [1, 1, 4G, 1] activation block of sub-block 2c
+    xd0, xs0 = tl.load(xd + b0, mask=ok, other=0.0), tl.load(xs + b0, mask=ok, other=0.0)
+    xd1, xs1 = tl.load(xd + b0 + 1, mask=ok, other=0.0), tl.load(xs + b0 + 1, mask=ok, other=0.0)
     acc += (d * sc0 * xd0) * f0 + (d * sc1 * xd1) * f1
     accm += dmin * (mn0 * xs0 + mn1 * xs1)
     return acc, accm
 
 
 @triton.jit
-def _acc_q6_k(acc, rows, sb, xq, xd, ASM: tl.constexpr):
-    """Add group `sb` of Q6_K rows (210-byte blocks) to acc [MB, BN, 4, 8]. Index c = 2n + t:
-    half n (128 values), quarter r = 2p + t; word w: ql word at 64n + 32t + 4w (nibble p), qh
-    word at 128 + 32n + 4w (bits 2r); values k = 128n + 32r + 4w + i, minus 32; int8 scale
-    8n + 2r + w // 4 (one per 16 values); d float16 at 208."""
-    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, 1, 1]
-    c = tl.arange(0, 4)[None, None, :, None]
+def _acc_q6_k(acc, rows, g0, g_hi, xq, xd, G: tl.constexpr, ASM: tl.constexpr):
+    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q6_K rows (210-byte blocks) to acc
+    [MB, BN, 4G, 8]. Index (4g + c, w), c = 2n + t: half n (128 values), quarter r = 2p + t;
+    ql word at 64n + 32t + 4w (nibble p), qh word at 128 + 32n + 4w (bits 2r); values
+    k = 128n + 32r + 4w + i, minus 32; int8 scale 8n + 2r + w // 4 (one per 16 values); d
+    float16 at 208."""
+    gc = tl.arange(0, 4 * G)[None, None, :, None]
+    sb = g0 + gc // 4
+    c = gc % 4
     w = tl.arange(0, 8)[None, None, None, :]
+    ok = sb < g_hi
     n = c // 2
     t = c % 2
-    ql = _word16(h + 32 * n + 16 * t + 2 * w)  # [1, BN, 4, 8]
-    qh = _word16(h + 64 + 16 * n + 2 * w)
+    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, 4G, 1]
+    ql = _word16(h + 32 * n + 16 * t + 2 * w, ok)  # [1, BN, 4G, 8]
+    qh = _word16(h + 64 + 16 * n + 2 * w, ok)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
-    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, 4, 8]
+    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, 4G, 8]
     zero = tl.zeros(acc.shape, tl.int32)
-    x0 = tl.load(xw) + zero
-    x1 = tl.load(xw + 16) + zero
+    x0 = tl.load(xw, mask=ok, other=0) + zero
+    x1 = tl.load(xw + 16, mask=ok, other=0) + zero
     m32 = zero - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
     sp = (rows + sb * 210 + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
-    sc0 = tl.load(sp).to(tl.int32)  # [1, BN, 4, 8]
-    sc1 = tl.load(sp + 4).to(tl.int32)
-    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, 4, 8]
+    sc0 = tl.load(sp, mask=ok, other=0).to(tl.int32)  # [1, BN, 4G, 8]
+    sc1 = tl.load(sp + 4, mask=ok, other=0).to(tl.int32)
+    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, 4G, 8]
     f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1 + zero, x1, zero, ASM), ASM))
-    b0 = sb * 8 + 4 * n + t  # [1, 1, 4, 1] activation block of quarter r = t
-    d = _f16(rows + sb * 210 + 208)  # [1, BN, 1, 1]
-    acc += (d * tl.load(xd + b0)) * f0 + (d * tl.load(xd + b0 + 2)) * f1
+    b0 = sb * 8 + 4 * n + t  # [1, 1, 4G, 1] activation block of quarter r = t
+    d = _f16(rows + sb * 210 + 208, ok)  # [1, BN, 4G, 1]
+    xd0 = tl.load(xd + b0, mask=ok, other=0.0)
+    xd1 = tl.load(xd + b0 + 2, mask=ok, other=0.0)
+    acc += (d * xd0) * f0 + (d * xd1) * f1
     return acc
 
 
 @triton.jit
-def _acc_q8_0(acc, rows, sb, xq, xd, ASM: tl.constexpr):
-    """Add group `sb` of Q8_0 rows (eight 34-byte blocks: f16 d, int8 q[32]) to acc
-    [MB, BN, 8, 8] (block b, word w)."""
-    h = (rows + sb * 272).to(tl.pointer_type(tl.int16))  # [1, BN, 1, 1]
-    b = tl.arange(0, 8)[None, None, :, None]
+def _acc_q8_0(acc, rows, g0, g_hi, xq, xd, G: tl.constexpr, ASM: tl.constexpr):
+    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q8_0 rows (eight 34-byte blocks per
+    group: f16 d, int8 q[32]) to acc [MB, BN, 8G, 8] (block 8g + b, word w)."""
+    gb = tl.arange(0, 8 * G)[None, None, :, None]
+    sb = g0 + gb // 8
     w = tl.arange(0, 8)[None, None, None, :]
-    q = _word16(h + 17 * b + 1 + 2 * w)  # [1, BN, 8, 8]
+    ok = sb < g_hi
+    h = (rows + (g0 * 8 + gb) * 34).to(tl.pointer_type(tl.int16))  # [1, BN, 8G, 1]
+    q = _word16(h + 1 + 2 * w, ok)  # [1, BN, 8G, 8]
     zero = tl.zeros(acc.shape, tl.int32)
-    f = _i2f(dp4a(q + zero, tl.load(xq + sb * 64 + 8 * b + w) + zero, zero, ASM))
-    d = tl.load((h + 17 * b).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [1, BN, 8, 1]
-    acc += (d * tl.load(xd + sb * 8 + b)) * f
+    x = tl.load(xq + (g0 * 8 + gb) * 8 + w, mask=ok, other=0) + zero
+    f = _i2f(dp4a(q + zero, x, zero, ASM))
+    d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
+    acc += (d * tl.load(xd + g0 * 8 + gb, mask=ok, other=0.0)) * f
     return acc
 
 
@@ -234,42 +264,43 @@ def _tree_sum(x, MB: tl.constexpr, BN: tl.constexpr, N: tl.constexpr, LOG2N: tl.
 
 @triton.jit
 def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexpr,
-              UNROLL: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-              M_BLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
+              LOG2G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """Dot products float32 [M_BLOCK, BLOCK_N] of weight rows `rows` ([BLOCK_N] uint8 pointers)
     with M quantized activation rows (xq: row 0's int32 words, xd/xs: its block scales; rows
     `stride_q` words / `stride_d` blocks apart; M <= M_BLOCK, a power of two; rows past M
-    repeat row M - 1) over groups g_lo .. g_lo + GROUPS - 1 (GROUPS a multiple of UNROLL).
+    repeat row M - 1) over groups g_lo .. g_lo + GROUPS - 1, G = 2^LOG2G groups per step.
 
-    Every weight word is loaded and unpacked once for all M rows; products accumulate
-    elementwise in float32 and are reduced once at the end by `_tree_sum`, so a row's result
-    has the same bits at any M (batch invariance)."""
+    A step loads G groups of every row at once (a tensor dimension, so all their loads are in
+    flight together: a decode GEMV is latency-bound otherwise). Every weight word is unpacked
+    once for all M rows; products accumulate elementwise in float32 and are reduced once at
+    the end by `_tree_sum`, so a row's result has the same bits at any M (batch invariance)."""
     m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[:, None, None, None]  # [MB, 1, 1, 1]
     xq4 = xq + m * stride_q
     xd4 = xd + m * stride_d
     xs4 = xs + m * stride_d
     r4 = rows[None, :, None, None]  # [1, BN, 1, 1]
+    g_hi = g_lo + GROUPS
     if QTYPE == Q8_0:
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 8, 8], tl.float32)
-        for i in range(0, GROUPS, UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc = _acc_q8_0(acc, r4, g_lo + i + u, xq4, xd4, ASM)
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 64, 6)
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 8 * G, 8], tl.float32)
+        for i in range(0, GROUPS, G):
+            acc = _acc_q8_0(acc, r4, g_lo + i, g_hi, xq4, xd4, G, ASM)
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 64 * G, 6 + LOG2G)
     elif QTYPE == Q6_K:
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 4, 8], tl.float32)
-        for i in range(0, GROUPS, UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc = _acc_q6_k(acc, r4, g_lo + i + u, xq4, xd4, ASM)
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32, 5)
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 8], tl.float32)
+        for i in range(0, GROUPS, G):
+            acc = _acc_q6_k(acc, r4, g_lo + i, g_hi, xq4, xd4, G, ASM)
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32 * G, 5 + LOG2G)
     else:
         tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 4, 8], tl.float32)
-        accm = tl.zeros([M_BLOCK, BLOCK_N, 4, 1], tl.float32)
-        for i in range(0, GROUPS, UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc, accm = _acc_q4_k(acc, accm, r4, g_lo + i + u, xq4, xd4, xs4, QTYPE == Q5_K,
-                                      ASM)  # fmt: skip
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32, 5) - _tree_sum(accm, M_BLOCK, BLOCK_N, 4, 2)
+        acc = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 8], tl.float32)
+        accm = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 1], tl.float32)
+        for i in range(0, GROUPS, G):
+            acc, accm = _acc_q4_k(
+                acc, accm, r4, g_lo + i, g_hi, xq4, xd4, xs4, G, QTYPE == Q5_K, ASM
+            )
+        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32 * G, 5 + LOG2G)
+        out -= _tree_sum(accm, M_BLOCK, BLOCK_N, 4 * G, 2 + LOG2G)
     return out
 
 
@@ -315,16 +346,17 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
 
 @triton.jit
 def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm, stride_wn,
-                 stride_os, stride_om, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 M_BLOCK: tl.constexpr, GROUPS_PER_SPLIT: tl.constexpr, UNROLL: tl.constexpr,
-                 ASM: tl.constexpr):  # fmt: skip
+                 stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr, QTYPE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
+                 LOG2G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn  # [BLOCK_N]
+    g_lo = pid_k * GROUPS_PER_SPLIT
     acc = mmvq_rows(
-        rows, q_ptr, d_ptr, s_ptr, stride_qm, stride_dm, M, pid_k * GROUPS_PER_SPLIT,
-        GROUPS_PER_SPLIT, UNROLL, QTYPE, BLOCK_N, M_BLOCK, ASM,
+        rows, q_ptr, d_ptr, s_ptr, stride_qm, stride_dm, M, g_lo, GROUPS_PER_SPLIT,
+        QTYPE, BLOCK_N, M_BLOCK, G, LOG2G, ASM,
     )  # [M_BLOCK, BLOCK_N]  # fmt: skip
     m = tl.arange(0, M_BLOCK)[:, None]
     dst = out_ptr + pid_k * stride_os + m * stride_om + n[None, :]
@@ -332,19 +364,29 @@ def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm
 
 
 class MmvqConfig(NamedTuple):
-    """Launch shape of `_mmvq_kernel`: rows per program, K splits, groups per loop step, warps."""
+    """Launch shape of `_mmvq_kernel`: rows per program, K splits, groups per step (a power of
+    two), warps."""
 
     block_n: int = 16
     split_k: int = 1
-    unroll: int = 1
+    groups: int = 4
     num_warps: int = 4
 
 
-def mmvq_config(n: int, k: int, sms: int) -> MmvqConfig:
+def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 128) -> int:
+    """Groups loaded per step: all of a row's (up to 8) while M_BLOCK x BLOCK_N x G stays within
+    `budget` (registers), at least 1; a power of two."""
+    g = 1
+    while g < min(groups, 8) and m_block * block_n * g * 2 <= budget:
+        g *= 2
+    return g
+
+
+def mmvq_config(n: int, k: int, sms: int, m_block: int = 1) -> MmvqConfig:
     """Row block 16 down to 2 while that leaves fewer than two programs per SM; a K split (a
     power of two, >= 4 groups per split; its partials cost two more launches) only while the
-    programs would fill under half the SMs; two groups per loop step where they divide.
-    Independent of M (a row's result never depends on the batch)."""
+    programs would fill under half the SMs; groups per step from `groups_per_step`. The row
+    block and split do not depend on M (a row's result never depends on the batch)."""
     block_n = 16
     while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
@@ -353,8 +395,7 @@ def mmvq_config(n: int, k: int, sms: int) -> MmvqConfig:
     split_k = 1
     while 2 * programs * split_k < sms and groups % (split_k * 2) == 0 and groups // split_k >= 8:
         split_k *= 2
-    unroll = 2 if (groups // split_k) % 2 == 0 else 1
-    return MmvqConfig(block_n, split_k, unroll, 4)
+    return MmvqConfig(block_n, split_k, groups_per_step(groups // split_k, m_block, block_n), 4)
 
 
 def use_asm(device: torch.device) -> bool:
@@ -388,10 +429,11 @@ def mmvq(
         raise ValueError(f"out must be [{m}, {n}] with unit last stride")
     if m == 0:
         return out
-    cfg = config or mmvq_config(n, k, num_sms(a.q.device))
+    m_block = triton.next_power_of_2(m)
+    cfg = config or mmvq_config(n, k, num_sms(a.q.device), m_block)
     groups = k // 256
-    if groups % cfg.split_k or (groups // cfg.split_k) % cfg.unroll:
-        raise ValueError(f"{cfg} does not divide the {groups} groups of K={k}")
+    if groups % cfg.split_k or cfg.groups & (cfg.groups - 1):
+        raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
     if cfg.split_k == 1:
         dst, stride_os = out, 0
     else:
@@ -399,9 +441,9 @@ def mmvq(
         stride_os = dst.stride(0)
     _mmvq_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
-        stride_os, dst.stride(-2), QTYPE=int(w.qtype), BLOCK_N=cfg.block_n,
-        M_BLOCK=triton.next_power_of_2(m), GROUPS_PER_SPLIT=groups // cfg.split_k,
-        UNROLL=cfg.unroll, ASM=use_asm(out.device), num_warps=cfg.num_warps,
+        stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
+        BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups, LOG2G=cfg.groups.bit_length() - 1,
+        ASM=use_asm(out.device), num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.split_k > 1:
         out.copy_(dst.sum(dim=0))  # [M, N], fixed order

@@ -25,7 +25,13 @@ import triton
 import triton.language as tl
 
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
-from moestream.kernels.mmvq import MMVQ_QTYPES, mmvq_rows, quantize_q8, use_asm
+from moestream.kernels.mmvq import (
+    MMVQ_QTYPES,
+    groups_per_step,
+    mmvq_rows,
+    quantize_q8,
+    use_asm,
+)
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
 from moestream.weights.qtensor import QTensor
@@ -80,7 +86,7 @@ def _gate_up_mmvq_kernel(
     xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr,
     stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
-    TOPK: tl.constexpr, UNROLL: tl.constexpr, ASM: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (assignment a, block of 32 F rows): gate and up rows against token a // TOPK's
     quantized activations, h = silu(g) * u, written quantized (one 32-value q8 block)."""
@@ -92,8 +98,8 @@ def _gate_up_mmvq_kernel(
     xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
     g_rows = g_ptr + slot * stride_ge + n * stride_gn  # [32]
     u_rows = u_ptr + slot * stride_ue + n * stride_un
-    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, UNROLL, QG, 32, 1, ASM)  # [1, 32]
-    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, UNROLL, QU, 32, 1, ASM)
+    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QG, 32, 1, G, LOG2G, ASM)  # [1, 32]
+    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QU, 32, 1, G, LOG2G, ASM)
     h = g * tl.sigmoid(g) * u  # [1, 32]
     amax = tl.max(tl.abs(h))
     inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
@@ -111,8 +117,8 @@ def _gate_up_mmvq_kernel(
 def _down_mmvq_kernel(
     hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, y_ptr,
     H, stride_de, stride_dn,
-    QD: tl.constexpr, F_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    ASM: tl.constexpr,
+    QD: tl.constexpr, F_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    LOG2G: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (assignment a, block of H rows): y[a] = weight_a * down_slot(h_a), float32."""
     a = tl.program_id(0)
@@ -124,7 +130,7 @@ def _down_mmvq_kernel(
     a64 = a.to(tl.int64)
     hq = hq_ptr + a64 * (F_GROUPS * 64)
     hd, hs = hd_ptr + a64 * (F_GROUPS * 8), hs_ptr + a64 * (F_GROUPS * 8)
-    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 1, 0, F_GROUPS, UNROLL, QD, BLOCK_N, 1, ASM)
+    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 1, 0, F_GROUPS, QD, BLOCK_N, 1, G, LOG2G, ASM)
     tl.store(y_ptr + a64 * H + n[None, :], acc * weight, mask=n[None, :] < H)
 
 
@@ -368,6 +374,8 @@ def fused_moe(
             raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
         block_n = block_n or 16
         asm = use_asm(x.device)
+        g_up = groups_per_step(h // 256, 1, 32)
+        g_down = groups_per_step(f // 256, 1, block_n)
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
         hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
         hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
@@ -376,14 +384,14 @@ def fused_moe(
             xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs,
             xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
-            UNROLL=unroll_for(h // 256), ASM=asm, num_warps=4,
+            G=g_up, LOG2G=g_up.bit_length() - 1, ASM=asm, num_warps=4,
         )  # fmt: skip
         y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
         _down_mmvq_kernel[(a, triton.cdiv(h, block_n))](
             hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, y,
             h, down.data.stride(0), down.data.stride(1),
             QD=int(down.qtype), F_GROUPS=f // 256, BLOCK_N=block_n,
-            UNROLL=unroll_for(f // 256), ASM=asm, num_warps=4,
+            G=g_down, LOG2G=g_down.bit_length() - 1, ASM=asm, num_warps=4,
         )  # fmt: skip
         _sum_topk_kernel[(t, triton.cdiv(h, 256))](y, out, h, out.stride(0), TOPK=k, BLOCK=256)
         return out

@@ -1,7 +1,8 @@
 """Sparse Mixture-of-Experts FFN (Qwen3-MoE): softmax router, top-k, SiLU-gated experts.
 
 Expert weights are reached only through an `ExpertProvider`, the seam where the expert-tier
-system (GPU slots, host RAM, disk) plugs in; the layer itself never touches a stacked tensor.
+system (GPU slots, host RAM, disk) plugs in: per expert (`weights(e)`), or for the fused kernel
+as stacked slots (`stacked()`) read through an `expert_slot` table.
 
 Letters: T tokens, H hidden size, F expert FFN size, E experts, k experts used per token.
 """
@@ -87,10 +88,37 @@ def topk_softmax_ref(
     return weights, ids
 
 
+def fused_moe_path(x: torch.Tensor) -> bool:
+    """Whether `SparseMoE` runs the routed experts of activation `x` as one `ops.moe_forward`
+    call over stacked weights and an `expert_slot` table (everywhere but the CPU, where the
+    per-expert path is the batch-invariant one: `layers.linear`)."""
+    return x.device.type != "cpu"
+
+
+def moe_rows_independent(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> bool:
+    """Whether row t of `ops.moe_forward(x, ids, weights, gate, up, down, slot)` depends only on
+    (x[t], ids[t], weights[t]) and the shapes, not on the other rows' routing. True exactly when
+    it takes the fused Triton kernel (this mirrors the launcher's test): its method and tiles
+    follow T*k and E only, and rows never mix. Not of the torch reference, whose BLAS calls
+    vary with the rows per expert. The streamed layer relies on it to run a batch in passes
+    over subsets of its experts and get the one-pass result bit for bit."""
+    return on_kernel_path(x) and all(
+        w.qtype in ops.KERNEL_QTYPES
+        and w.shape[-1] % ops.KERNEL_GROUP == 0
+        and w.device == x.device
+        for w in (gate, up, down)
+    )
+
+
 class SparseMoE:
-    """Routed experts of one layer. Reference path: tokens are grouped by expert and only the
-    experts that some token selected are run, in ascending expert order, each token's outputs
-    summed in that order (deterministic; one host sync for the per-expert counts)."""
+    """Routed experts of one layer.
+
+    Fused path (`fused_moe_path`: off the CPU): one `ops.moe_forward` call over the provider's
+    stacked weights and `expert_slot` table, with no host sync when every expert is resident.
+    Per-expert path (the CPU, and streamed experts that do not fit the device slots): tokens
+    are grouped by expert and only the experts that some token selected are run, in ascending
+    expert order, each token's outputs summed in that order (deterministic; one host sync for
+    the per-expert counts)."""
 
     def __init__(self, router: QTensor, experts: ExpertProvider, top_k: int, norm_topk_prob: bool):
         if router.shape[0] != experts.num_experts:
@@ -103,23 +131,48 @@ class SparseMoE:
         self.norm_topk_prob = norm_topk_prob
 
     @property
+    def resident(self) -> bool:
+        """Every expert sits in a fixed slot (the file's stacks, or a store layer holding them
+        all): the fused path then needs nothing from the host."""
+        return isinstance(self.experts, StackedExperts) or bool(
+            getattr(self.experts, "fully_resident", False)
+        )
+
+    @property
     def capturable(self) -> bool:
-        """The forward has no host sync on CUDA (the fused kernel over resident stacks), so a
+        """The forward has no host sync on CUDA (the fused kernel over resident experts), so a
         CUDA graph can capture it. Providers that stream experts are not capturable."""
-        if not isinstance(self.experts, StackedExperts):
+        if not self.resident:
             return False
         return self.router.qtype not in HOST_TABLE_QTYPES and all(
             w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0
-            for w in self.experts.stacked()
+            for w in self.experts.stacked()  # type: ignore[attr-defined]
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype."""
         weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)  # [T, k]
-        if x.is_cuda and isinstance(self.experts, StackedExperts):
-            # One fused launch for all experts, no host sync (CUDA-graph friendly).
-            gate, up, down = self.experts.stacked()
-            return ops.moe_forward(x, ids, weights, gate, up, down, self.experts.expert_slot)
+        return self.forward_routed(x, weights, ids)
+
+    def forward_routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        expert_slot: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The experts of routing (weights [T, k] float32, ids [T, k] int, from `route`) on
+        x [T, H] -> [T, H] in x's dtype.
+
+        With `expert_slot` [E] int32 (the caller has pinned every expert `ids` names into the
+        provider's slots, and the table maps them): one `ops.moe_forward` over the provider's
+        `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
+        resident (the provider's own table; no host sync), else the per-expert path."""
+        if expert_slot is None and fused_moe_path(x) and self.resident:
+            expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
+        if expert_slot is not None:
+            gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
+            return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot)
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         token_of = order // self.top_k  # [T*k] token of each grouped assignment

@@ -3,6 +3,7 @@ short reads, including one that happens in the middle of generation."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from moestream.experts import (
     build_expert_store,
     defer_expert_tensors,
 )
+from moestream.experts.disk import drop_page_cache
 from moestream.models.registry import build_model
 from moestream.types import SamplingParams
 from moestream.weights.loader import open_model
@@ -158,3 +160,53 @@ def test_failed_prefetch_is_counted_then_reported_on_demand(source, tmp_path: Pa
         assert torch.equal(down.data, source.tensors["blk.3.ffn_down_exps.weight"].data[5])
         store.layers[3].end()
         store.check()
+
+
+def resident_pages(path: Path) -> int:
+    """Pages of `path` in the page cache (mincore over a fresh, untouched private mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            anchor = ctypes.c_char.from_buffer(mm)  # the mapping's address, no page touched
+            vec = (ctypes.c_ubyte * pages)()
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), size, vec)
+            del anchor
+            if rc != 0:
+                pytest.skip(f"mincore failed (errno {ctypes.get_errno()})")
+        finally:
+            mm.close()
+    return sum(v & 1 for v in vec)
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem `path` lives on (longest mount point of /proc/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mount, fs, *_ = line.split()
+        if str(path).startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+            best, kind = mount, fs
+    return kind
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_drop_page_cache_evicts_the_files_pages(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())  # only clean pages can be dropped
+        f.read()
+    if filesystem_of(path) in ("tmpfs", "ramfs", "overlay", ""):
+        pytest.skip("the page cache of this filesystem is its storage")
+    before = resident_pages(path)
+    if before == 0:
+        pytest.skip("the file's pages were never cached here")
+    assert drop_page_cache(path) is True
+    assert resident_pages(path) < before // 4
+    with pytest.raises(ExpertReadError, match="missing.gguf: cannot open"):
+        drop_page_cache(tmp_path / "missing.gguf")

@@ -96,17 +96,41 @@ def test_greedy_output_is_the_same_at_every_budget(llm_and_reference, case: str)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_streamed_experts_on_cuda_match_resident() -> None:
-    """On a GPU: bf16 activations, the kernels' path. Run: pytest tests/experts -m gpu -q"""
-    llm = LLM(DEMO, device="cuda", enable_prefix_caching=False)
+    """On a GPU: bf16 activations, the fused kernel everywhere. Streamed layers whose routed
+    experts fit run one kernel over pinned slots; at 2 and 3 slots most do not, and run the
+    token-group passes: both must give the resident model's logits bit for bit.
+    Run: pytest tests/experts -m gpu -q"""
+    from moestream.experts import StreamedMoE
+
+    # Eager on both sides: a streamed model never runs CUDA graphs, and this compares the
+    # expert paths, not graph replay against eager launches.
+    llm = LLM(DEMO, device="cuda", enable_prefix_caching=False, enforce_eager=True)
     tokens, logprobs, logits = run(llm)
     c = llm.config
     layout = ExpertLayout.from_gguf(llm.source.gguf, c.n_experts, c.n_experts_used)
-    for device_slots, host_slots in ((2, 0), (3, 8)):
+    del llm
+    for device_slots, host_slots in ((2, 0), (3, 8), (6, 0)):
         budgets = budgets_for(layout, device_slots, host_slots)
-        store = build_expert_store(llm.source, c, budgets, "cuda")
-        attach_expert_store(llm.model, store)
-        got = run(llm)
-        assert got[0] == tokens and got[1] == logprobs and torch.equal(got[2], logits)
+        streamed = LLM(
+            DEMO,
+            device="cuda",
+            enable_prefix_caching=False,
+            gpu_expert_cache_gib=budgets.gpu_expert_cache_gib,
+            host_expert_cache_gib=budgets.host_expert_cache_gib,
+        )
+        store = streamed.expert_store
+        assert store.placement.device_slots == (device_slots,) * c.n_layers
+        assert streamed.engine.runner.graphs is None
+        got = run(streamed)
+        assert got[0] == tokens, (device_slots, host_slots)
+        assert got[1] == logprobs and torch.equal(got[2], logits), (device_slots, host_slots)
+        paths = {"fused": 0, "passes": 0, "per_expert": 0}
+        for layer in streamed.model.layers:
+            assert isinstance(layer.ffn, StreamedMoE)
+            for k, v in layer.ffn.paths.items():
+                paths[k] += v
+        assert paths["per_expert"] == 0 and paths["fused"] + paths["passes"] > 0, paths
         assert store.allocated_bytes()["device"] <= budgets.device_bytes
+        assert all(not t.dir.pins for t in store.device_tiers)
         store.check()
         store.close()

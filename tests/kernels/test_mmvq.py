@@ -50,7 +50,7 @@ def test_mmvq_random_blocks(qtype: GGMLQuantizationType, m: int) -> None:
     w = random_blocks(qtype, 20, 512, seed=int(qtype) + m)
     a = quantize_q8(activations(m, 512, torch.float32, seed=m))
     out = torch.full((m, 20), float("nan"), device=DEVICE)
-    y = mmvq(a, w, out=out, config=MmvqConfig(block_n=8, split_k=1, unroll=2))
+    y = mmvq(a, w, out=out, config=MmvqConfig(block_n=8, split_k=1, groups=2))
     ref = mmvq_ref(a, w)
     assert torch.isfinite(y).all()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-5
@@ -60,7 +60,7 @@ def test_mmvq_random_blocks(qtype: GGMLQuantizationType, m: int) -> None:
 def test_mmvq_split_k_and_close_to_float_matmul(qtype: GGMLQuantizationType) -> None:
     w = quantized(qtype, (12, 1024), seed=3)
     x = activations(5, 1024, torch.float32, seed=4)
-    cfg = MmvqConfig(block_n=4, split_k=2, unroll=1)
+    cfg = MmvqConfig(block_n=4, split_k=2, groups=1)
     y = mmvq(quantize_q8(x), w, config=cfg)
     exact = x @ w.dequantize(torch.float32).t()
     # 8-bit activations: about 1/254 of each block's max per value, averaged over K
