@@ -168,7 +168,7 @@ def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
     return Row(kind, shape, qtype.name, str(dtype)[6:], err, us, nbytes, 2 * m * n * k)
 
 
-def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
+def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
     slot e + 128 c), so consecutive calls read different, cold experts."""
@@ -193,12 +193,14 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen) -> Row:
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
     path = method or default_method(t * TOPK, gate, up, down)
-    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, mmvq_cfg=mmvq_cfg)
     ref = moe_mmvq_ref if path == "mmvq" else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
     us = graph_time_us(
         [
-            lambda a=a: fused_moe(x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method)
+            lambda a=a: fused_moe(
+                x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method, mmvq_cfg=mmvq_cfg
+            )
             for a in calls
         ]
     )
@@ -294,13 +296,39 @@ def sweep(gen, copy_gbs: float) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_moe(gen, copy_gbs: float) -> None:
+    """The MoE "mmvq" path over launch configurations at T = 1 and 8: the 5 fastest and the
+    default."""
+    from moestream.kernels.moe import MoeMmvqConfig
+
+    mix = (T.Q4_K, T.Q6_K)
+    configs = [
+        MoeMmvqConfig(*c) for c in itertools.product((2, 4, 8), (4, 8), (2, 4, 8), (4,), (4, 8))
+    ]
+    for t in (1, 8):  # T = 8 tries the 8 fastest at T = 1 and the default
+        results = []
+        for cfg in configs:
+            r = bench_moe(t, mix, torch.bfloat16, "mmvq", gen=gen, mmvq_cfg=cfg)
+            results.append((r.us, cfg, r))
+            torch.cuda.empty_cache()
+        results.sort(key=lambda item: item[0])
+        configs = list(dict.fromkeys([c for _, c, _ in results[:8]] + [MoeMmvqConfig()]))
+        print(f"\nMoE mmvq T={t}: {len(results)} configs")
+        default = [item for item in results if item[1] == MoeMmvqConfig()]
+        for us, cfg, r in results[:5] + default:
+            gbs = r.nbytes / us / 1e3
+            mark = " (default)" if cfg == MoeMmvqConfig() else ""
+            print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only", default="mmvq,gemv,gemm,moe", help="comma list of mmvq, gemv, gemm, moe"
     )
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
-    parser.add_argument("--sweep", action="store_true", help="tune the decode GEMV config")
+    parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")
+    parser.add_argument("--sweep-moe", action="store_true", help="tune the MoE mmvq config")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -312,8 +340,11 @@ def main() -> int:
     l2_mib = props.L2_cache_size >> 20
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_mib} MiB")
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
-    if args.sweep:
-        sweep(gen, copy_gbs)
+    if args.sweep or args.sweep_moe:
+        if args.sweep:
+            sweep(gen, copy_gbs)
+        if args.sweep_moe:
+            sweep_moe(gen, copy_gbs)
         return 0
     header = ("kernel", "shape", "qtype", "dtype", "max rel err", "us", "GB/s", "% copy", "TFLOP/s")
     print("| " + " | ".join(header) + " |")

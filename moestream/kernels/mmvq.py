@@ -157,37 +157,33 @@ def _k_scale_min(sp, s, ok):
 
 
 @triton.jit
-def _acc_q4_k(acc, accm, rows, g0, g_hi, xq, xd, xs, G: tl.constexpr, Q5: tl.constexpr,
-              ASM: tl.constexpr):  # fmt: skip
-    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q4_K rows (Q5_K when Q5) to acc
-    [MB, BN, 4G, 8] (scaled dots) and accm [MB, BN, 4G, 1] (min terms, to subtract). rows
-    [1, BN, 1, 1] byte pointers; xq (int32), xd, xs (float32) [MB, 1, 1, 1] pointers to each
-    activation row. Index (4g + c, w): group g0 + g, word w of its 32-byte run c of qs: low
-    nibbles sub-block 2c (k = 64c + 4w + i), high nibbles sub-block 2c + 1."""
+def _acc_q4_k(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
+    """Add Q4_K (Q5_K when Q5) runs to acc [MB, BN, R, 8] (scaled dots) and accm [MB, BN, R, 1]
+    (min terms, to subtract). Along R, element r is group sb[r], 32-byte run c[r] (0..3) of
+    qs, where ok[r]; word w of a run: low nibbles sub-block 2c (k = 64c + 4w + i), high
+    nibbles sub-block 2c + 1. rows [1, BN, R or 1, 1] byte pointers to row starts; xq (int32),
+    xd, xs (float32) [MB, 1, R or 1, 1] pointers to activation rows; wt multiplies the
+    scales (a routing weight, or 1.0)."""
     BLK: tl.constexpr = 176 if Q5 else 144
     QS: tl.constexpr = 48 if Q5 else 16
-    gc = tl.arange(0, 4 * G)[None, None, :, None]
-    sb = g0 + gc // 4
-    c = gc % 4
     w = tl.arange(0, 8)[None, None, None, :]
-    ok = sb < g_hi  # [1, 1, 4G, 1]
-    blk = rows + sb * BLK  # [1, BN, 4G, 1]
+    blk = rows + sb * BLK  # [1, BN, R, 1]
     qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=ok, other=0)
-    lo = qs & 0x0F0F0F0F  # [1, BN, 4G, 8]
+    lo = qs & 0x0F0F0F0F  # [1, BN, R, 8]
     hi = (qs >> 4) & 0x0F0F0F0F
     if Q5:
         qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=ok, other=0)
         lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
         hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, 4G, 8]
+    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, R, 8]
     zero = tl.zeros(acc.shape, tl.int32)
     f0 = _i2f(dp4a(lo + zero, tl.load(xw, mask=ok, other=0) + zero, zero, ASM))
     f1 = _i2f(dp4a(hi + zero, tl.load(xw + 8, mask=ok, other=0) + zero, zero, ASM))
-    sc0, mn0 = _k_scale_min(blk + 4, 2 * c, ok)  # [1, BN, 4G, 1]
+    sc0, mn0 = _k_scale_min(blk + 4, 2 * c, ok)  # [1, BN, R, 1]
     sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1, ok)
-    d = _f16(blk, ok)
-    dmin = _f16(blk + 2, ok)
-    b0 = sb * 8 + 2 * c  # [1, 1, 4G, 1] activation block of sub-block 2c
+    d = _f16(blk, ok) * wt
+    dmin = _f16(blk + 2, ok) * wt
+    b0 = sb * 8 + 2 * c  # activation block of sub-block 2c
     xd0, xs0 = tl.load(xd + b0, mask=ok, other=0.0), tl.load(xs + b0, mask=ok, other=0.0)
     xd1, xs1 = tl.load(xd + b0 + 1, mask=ok, other=0.0), tl.load(xs + b0 + 1, mask=ok, other=0.0)
     acc += (d * sc0 * xd0) * f0 + (d * sc1 * xd1) * f1
@@ -196,36 +192,31 @@ def _acc_q4_k(acc, accm, rows, g0, g_hi, xq, xd, xs, G: tl.constexpr, Q5: tl.con
 
 
 @triton.jit
-def _acc_q6_k(acc, rows, g0, g_hi, xq, xd, G: tl.constexpr, ASM: tl.constexpr):
-    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q6_K rows (210-byte blocks) to acc
-    [MB, BN, 4G, 8]. Index (4g + c, w), c = 2n + t: half n (128 values), quarter r = 2p + t;
-    ql word at 64n + 32t + 4w (nibble p), qh word at 128 + 32n + 4w (bits 2r); values
-    k = 128n + 32r + 4w + i, minus 32; int8 scale 8n + 2r + w // 4 (one per 16 values); d
-    float16 at 208."""
-    gc = tl.arange(0, 4 * G)[None, None, :, None]
-    sb = g0 + gc // 4
-    c = gc % 4
+def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
+    """Add Q6_K runs (210-byte blocks) to acc [MB, BN, R, 8]; arguments as `_acc_q4_k`, with
+    c = 2n + t: half n (128 values), quarter r = 2p + t; ql word at 64n + 32t + 4w (nibble p),
+    qh word at 128 + 32n + 4w (bits 2r); values k = 128n + 32r + 4w + i, minus 32; int8 scale
+    8n + 2r + w // 4 (one per 16 values); d float16 at 208."""
     w = tl.arange(0, 8)[None, None, None, :]
-    ok = sb < g_hi
     n = c // 2
     t = c % 2
-    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, 4G, 1]
-    ql = _word16(h + 32 * n + 16 * t + 2 * w, ok)  # [1, BN, 4G, 8]
+    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, R, 1]
+    ql = _word16(h + 32 * n + 16 * t + 2 * w, ok)  # [1, BN, R, 8]
     qh = _word16(h + 64 + 16 * n + 2 * w, ok)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
-    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, 4G, 8]
+    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, R, 8]
     zero = tl.zeros(acc.shape, tl.int32)
     x0 = tl.load(xw, mask=ok, other=0) + zero
     x1 = tl.load(xw + 16, mask=ok, other=0) + zero
     m32 = zero - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
     sp = (rows + sb * 210 + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
-    sc0 = tl.load(sp, mask=ok, other=0).to(tl.int32)  # [1, BN, 4G, 8]
+    sc0 = tl.load(sp, mask=ok, other=0).to(tl.int32)  # [1, BN, R, 8]
     sc1 = tl.load(sp + 4, mask=ok, other=0).to(tl.int32)
-    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, 4G, 8]
+    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, R, 8]
     f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1 + zero, x1, zero, ASM), ASM))
-    b0 = sb * 8 + 4 * n + t  # [1, 1, 4G, 1] activation block of quarter r = t
-    d = _f16(rows + sb * 210 + 208, ok)  # [1, BN, 4G, 1]
+    b0 = sb * 8 + 4 * n + t  # activation block of quarter r = t
+    d = _f16(rows + sb * 210 + 208, ok) * wt  # [1, BN, R, 1]
     xd0 = tl.load(xd + b0, mask=ok, other=0.0)
     xd1 = tl.load(xd + b0 + 2, mask=ok, other=0.0)
     acc += (d * xd0) * f0 + (d * xd1) * f1
@@ -233,74 +224,79 @@ def _acc_q6_k(acc, rows, g0, g_hi, xq, xd, G: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _acc_q8_0(acc, rows, g0, g_hi, xq, xd, G: tl.constexpr, ASM: tl.constexpr):
-    """Add groups g0 .. g0 + G - 1 (those < g_hi) of Q8_0 rows (eight 34-byte blocks per
-    group: f16 d, int8 q[32]) to acc [MB, BN, 8G, 8] (block 8g + b, word w)."""
-    gb = tl.arange(0, 8 * G)[None, None, :, None]
-    sb = g0 + gb // 8
+def _acc_q8_0(acc, rows, sb, b, ok, wt, xq, xd, ASM: tl.constexpr):
+    """Add Q8_0 blocks to acc [MB, BN, R, 8]: element r is block b[r] (0..7) of group sb[r]
+    (eight 34-byte blocks: f16 d, int8 q[32]); other arguments as `_acc_q4_k`."""
     w = tl.arange(0, 8)[None, None, None, :]
-    ok = sb < g_hi
-    h = (rows + (g0 * 8 + gb) * 34).to(tl.pointer_type(tl.int16))  # [1, BN, 8G, 1]
-    q = _word16(h + 1 + 2 * w, ok)  # [1, BN, 8G, 8]
+    blk = sb * 8 + b  # block index within the row
+    h = (rows + blk * 34).to(tl.pointer_type(tl.int16))  # [1, BN, R, 1]
+    q = _word16(h + 1 + 2 * w, ok)  # [1, BN, R, 8]
     zero = tl.zeros(acc.shape, tl.int32)
-    x = tl.load(xq + (g0 * 8 + gb) * 8 + w, mask=ok, other=0) + zero
+    x = tl.load(xq + blk * 8 + w, mask=ok, other=0) + zero
     f = _i2f(dp4a(q + zero, x, zero, ASM))
-    d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
-    acc += (d * tl.load(xd + g0 * 8 + gb, mask=ok, other=0.0)) * f
+    d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32) * wt
+    acc += (d * tl.load(xd + blk, mask=ok, other=0.0)) * f
     return acc
 
 
 @triton.jit
-def _tree_sum(x, MB: tl.constexpr, BN: tl.constexpr, N: tl.constexpr, LOG2N: tl.constexpr):
-    """x [MB, BN, ...] with N = 2^LOG2N trailing elements per (m, n) -> [MB, BN], summed as a
+def acc_runs(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, QTYPE: tl.constexpr,
+             ASM: tl.constexpr):  # fmt: skip
+    """Add runs of any MMVQ type (see `_acc_q4_k`); c is the run within its group (0..3, or
+    the block 0..7 for Q8_0); accm is used by Q4_K/Q5_K only. -> (acc, accm)."""
+    if QTYPE == Q8_0:
+        acc = _acc_q8_0(acc, rows, sb, c, ok, wt, xq, xd, ASM)
+    elif QTYPE == Q6_K:
+        acc = _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM)
+    else:
+        tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
+        acc, accm = _acc_q4_k(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, QTYPE == Q5_K, ASM)
+    return acc, accm
+
+
+@triton.jit
+def tree_sum(x, MB: tl.constexpr, BN: tl.constexpr, N: tl.constexpr):
+    """x [MB, BN, ...] with N trailing elements per (m, n) -> [MB, BN], summed as a
     fixed pairwise tree: the same bits whatever layout the compiler gives x (a plain tl.sum's
-    order follows the layout, which depends on MB: batch invariance needs this)."""
+    order follows the layout, which depends on MB: batch invariance needs this). N is a power
+    of two, at most 2^16."""
     y = tl.reshape(x, [MB, BN, N])
-    for i in tl.static_range(LOG2N):
-        a, b = tl.split(tl.reshape(y, [MB, BN, N >> (i + 1), 2]))
-        y = a + b
+    for i in tl.static_range(16):
+        if (N >> i) > 1:
+            a, b = tl.split(tl.reshape(y, [MB, BN, N >> (i + 1), 2]))
+            y = a + b
     return tl.reshape(y, [MB, BN])
 
 
 @triton.jit
 def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexpr,
-              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
-              LOG2G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+              QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
+              G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """Dot products float32 [M_BLOCK, BLOCK_N] of weight rows `rows` ([BLOCK_N] uint8 pointers)
     with M quantized activation rows (xq: row 0's int32 words, xd/xs: its block scales; rows
     `stride_q` words / `stride_d` blocks apart; M <= M_BLOCK, a power of two; rows past M
-    repeat row M - 1) over groups g_lo .. g_lo + GROUPS - 1, G = 2^LOG2G groups per step.
+    repeat row M - 1) over groups g_lo .. g_lo + GROUPS - 1, G (a power of two) per step.
 
     A step loads G groups of every row at once (a tensor dimension, so all their loads are in
     flight together: a decode GEMV is latency-bound otherwise). Every weight word is unpacked
     once for all M rows; products accumulate elementwise in float32 and are reduced once at
-    the end by `_tree_sum`, so a row's result has the same bits at any M (batch invariance)."""
+    the end by `tree_sum`, so a row's result has the same bits at any M (batch invariance)."""
+    SUB: tl.constexpr = 8 if QTYPE == Q8_0 else 4  # runs of 8 words per group
     m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[:, None, None, None]  # [MB, 1, 1, 1]
     xq4 = xq + m * stride_q
     xd4 = xd + m * stride_d
     xs4 = xs + m * stride_d
     r4 = rows[None, :, None, None]  # [1, BN, 1, 1]
-    g_hi = g_lo + GROUPS
-    if QTYPE == Q8_0:
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 8 * G, 8], tl.float32)
-        for i in range(0, GROUPS, G):
-            acc = _acc_q8_0(acc, r4, g_lo + i, g_hi, xq4, xd4, G, ASM)
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 64 * G, 6 + LOG2G)
-    elif QTYPE == Q6_K:
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 8], tl.float32)
-        for i in range(0, GROUPS, G):
-            acc = _acc_q6_k(acc, r4, g_lo + i, g_hi, xq4, xd4, G, ASM)
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32 * G, 5 + LOG2G)
-    else:
-        tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
-        acc = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 8], tl.float32)
-        accm = tl.zeros([M_BLOCK, BLOCK_N, 4 * G, 1], tl.float32)
-        for i in range(0, GROUPS, G):
-            acc, accm = _acc_q4_k(
-                acc, accm, r4, g_lo + i, g_hi, xq4, xd4, xs4, G, QTYPE == Q5_K, ASM
-            )
-        out = _tree_sum(acc, M_BLOCK, BLOCK_N, 32 * G, 5 + LOG2G)
-        out -= _tree_sum(accm, M_BLOCK, BLOCK_N, 4 * G, 2 + LOG2G)
+    gc = tl.arange(0, SUB * G)[None, None, :, None]
+    acc = tl.zeros([M_BLOCK, BLOCK_N, SUB * G, 8], tl.float32)
+    accm = tl.zeros([M_BLOCK, BLOCK_N, SUB * G, 1], tl.float32)
+    for i in range(0, GROUPS, G):
+        sb = g_lo + i + gc // SUB
+        ok = sb < g_lo + GROUPS
+        acc, accm = acc_runs(acc, accm, r4, sb, gc % SUB, ok, 1.0, xq4, xd4, xs4, QTYPE, ASM)
+    out = tree_sum(acc, M_BLOCK, BLOCK_N, SUB * G * 8)
+    if (QTYPE == Q4_K) or (QTYPE == Q5_K):  # noqa: SIM109
+        out -= tree_sum(accm, M_BLOCK, BLOCK_N, SUB * G)
     return out
 
 
@@ -348,7 +344,7 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
 def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm, stride_wn,
                  stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr, QTYPE: tl.constexpr,
                  BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
-                 LOG2G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                 ASM: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -356,7 +352,7 @@ def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm
     g_lo = pid_k * GROUPS_PER_SPLIT
     acc = mmvq_rows(
         rows, q_ptr, d_ptr, s_ptr, stride_qm, stride_dm, M, g_lo, GROUPS_PER_SPLIT,
-        QTYPE, BLOCK_N, M_BLOCK, G, LOG2G, ASM,
+        QTYPE, BLOCK_N, M_BLOCK, G, ASM,
     )  # [M_BLOCK, BLOCK_N]  # fmt: skip
     m = tl.arange(0, M_BLOCK)[:, None]
     dst = out_ptr + pid_k * stride_os + m * stride_om + n[None, :]
@@ -373,7 +369,7 @@ class MmvqConfig(NamedTuple):
     num_warps: int = 4
 
 
-def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 128) -> int:
+def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 32) -> int:
     """Groups loaded per step: all of a row's (up to 8) while M_BLOCK x BLOCK_N x G stays within
     `budget` (registers), at least 1; a power of two."""
     g = 1
@@ -383,13 +379,15 @@ def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 128) 
 
 
 def mmvq_config(n: int, k: int, sms: int, m_block: int = 1) -> MmvqConfig:
-    """Row block 16 down to 2 while that leaves fewer than two programs per SM; a K split (a
-    power of two, >= 4 groups per split; its partials cost two more launches) only while the
+    """4 rows per program (2 while that leaves fewer than two programs per SM); a K split (a
+    power of two, >= 8 groups per split; its partials cost two more launches) only while the
     programs would fill under half the SMs; groups per step from `groups_per_step`. The row
-    block and split do not depend on M (a row's result never depends on the batch)."""
-    block_n = 16
-    while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
-        block_n //= 2
+    block and split do not depend on M (a row's result never depends on the batch). From the
+    H200 sweep (`bench/kernels_gpu.py --sweep`): 4 rows and 8 groups per step were fastest
+    or within 3% on every decode shape of Qwen3-30B-A3B and Qwen3-8B."""
+    block_n = 4
+    if triton.cdiv(n, block_n) < 2 * sms:
+        block_n = 2
     programs = triton.cdiv(n, block_n)
     groups = k // 256
     split_k = 1
@@ -442,7 +440,7 @@ def mmvq(
     _mmvq_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
         stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
-        BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups, LOG2G=cfg.groups.bit_length() - 1,
+        BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
         ASM=use_asm(out.device), num_warps=cfg.num_warps,
     )  # fmt: skip
     if cfg.split_k > 1:

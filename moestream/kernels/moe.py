@@ -20,6 +20,8 @@ A = T*k assignments.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,10 @@ import triton.language as tl
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
 from moestream.kernels.mmvq import (
     MMVQ_QTYPES,
-    groups_per_step,
+    acc_runs,
     mmvq_rows,
     quantize_q8,
+    tree_sum,
     use_asm,
 )
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
@@ -86,7 +89,7 @@ def _gate_up_mmvq_kernel(
     xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr,
     stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
-    TOPK: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, ASM: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (assignment a, block of 32 F rows): gate and up rows against token a // TOPK's
     quantized activations, h = silu(g) * u, written quantized (one 32-value q8 block)."""
@@ -98,8 +101,8 @@ def _gate_up_mmvq_kernel(
     xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
     g_rows = g_ptr + slot * stride_ge + n * stride_gn  # [32]
     u_rows = u_ptr + slot * stride_ue + n * stride_un
-    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QG, 32, 1, G, LOG2G, ASM)  # [1, 32]
-    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QU, 32, 1, G, LOG2G, ASM)
+    g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QG, 32, 1, G, ASM)  # [1, 32]
+    u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QU, 32, 1, G, ASM)
     h = g * tl.sigmoid(g) * u  # [1, 32]
     amax = tl.max(tl.abs(h))
     inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
@@ -115,34 +118,38 @@ def _gate_up_mmvq_kernel(
 
 @triton.jit
 def _down_mmvq_kernel(
-    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, y_ptr,
-    H, stride_de, stride_dn,
-    QD: tl.constexpr, F_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-    LOG2G: tl.constexpr, ASM: tl.constexpr,
+    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr,
+    H, stride_de, stride_dn, stride_ot,
+    QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Program (assignment a, block of H rows): y[a] = weight_a * down_slot(h_a), float32."""
-    a = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nc = tl.minimum(n, H - 1).to(tl.int64)
-    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
-    weight = tl.load(weights_ptr + a).to(tl.float32)
-    rows = d_ptr + slot * stride_de + nc * stride_dn  # [BLOCK_N]
-    a64 = a.to(tl.int64)
-    hq = hq_ptr + a64 * (F_GROUPS * 64)
-    hd, hs = hd_ptr + a64 * (F_GROUPS * 8), hs_ptr + a64 * (F_GROUPS * 8)
-    acc = mmvq_rows(rows, hq, hd, hs, 0, 0, 1, 0, F_GROUPS, QD, BLOCK_N, 1, G, LOG2G, ASM)
-    tl.store(y_ptr + a64 * H + n[None, :], acc * weight, mask=n[None, :] < H)
-
-
-@triton.jit
-def _sum_topk_kernel(y_ptr, out_ptr, H, stride_ot, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum over j in order of y[t * TOPK + j] (float32), cast to out's dtype."""
+    """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
+    The token's k experts are a tensor dimension beside the groups (all their loads in flight
+    at once); the routing weight scales each expert's block scales; one `tree_sum`."""
+    SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
+    R: tl.constexpr = K_BLOCK * SUB * G
     t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * H + n, mask=n < H, other=0.0)
-    tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=n < H)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, H - 1).to(tl.int64)[None, :, None, None]  # [1, BN, 1, 1]
+    e = tl.arange(0, R)[None, None, :, None]  # (expert j, group, run)
+    j = e // (SUB * G)
+    r = e % (SUB * G)
+    a = t * TOPK + tl.minimum(j, TOPK - 1)  # [1, 1, R, 1] assignment
+    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    wt = tl.load(weights_ptr + a).to(tl.float32)
+    rows = d_ptr + slot * stride_de + nc * stride_dn  # [1, BN, R, 1]
+    xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
+    acc = tl.zeros([1, BLOCK_N, R, 8], tl.float32)
+    accm = tl.zeros([1, BLOCK_N, R, 1], tl.float32)
+    for i in range(0, F // 256, G):
+        sb = i + r // SUB
+        ok = (j < TOPK) & (sb < F // 256)
+        acc, accm = acc_runs(acc, accm, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
+    y = tree_sum(acc, 1, BLOCK_N, R * 8)  # [1, BN]
+    if (QD == 12) or (QD == 13):  # Q4_K, Q5_K: subtract the min terms  # noqa: SIM109
+        y -= tree_sum(accm, 1, BLOCK_N, R)
+    dst = out_ptr + t * stride_ot + n[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=n[None, :] < H)
 
 
 @triton.jit
@@ -207,6 +214,17 @@ def _down_gemm_kernel(
     weight = tl.load(weights_ptr + ac).to(tl.float32)  # [BLOCK_M]
     dst = y_ptr + ac[:, None] * H + n[None, :]
     tl.store(dst, acc * weight[:, None], mask=valid[:, None] & (n[None, :] < H))
+
+
+class MoeMmvqConfig(NamedTuple):
+    """Launch shape of the "mmvq" path: groups per step and warps of the gate/up kernel (32 rows
+    per program), rows per program, groups per step and warps of the down kernel."""
+
+    up_groups: int = 4
+    up_warps: int = 8
+    down_block_n: int = 4
+    down_groups: int = 4
+    down_warps: int = 4
 
 
 def default_method(a: int, gate: QTensor, up: QTensor, down: QTensor) -> str:
@@ -347,6 +365,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     method: str | None = None,
     block_n: int | None = None,
+    mmvq_cfg: MoeMmvqConfig | None = None,
 ) -> torch.Tensor:
     """The Triton MoE FFN: same contract as `ops.moe_forward_ref`, -> [T, H] in x's dtype.
 
@@ -372,10 +391,10 @@ def fused_moe(
     if method == "mmvq":
         if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
             raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
-        block_n = block_n or 16
+        cfg = mmvq_cfg or MoeMmvqConfig()
+        if block_n:
+            cfg = cfg._replace(down_block_n=block_n)
         asm = use_asm(x.device)
-        g_up = groups_per_step(h // 256, 1, 32)
-        g_down = groups_per_step(f // 256, 1, block_n)
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
         hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
         hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
@@ -384,16 +403,17 @@ def fused_moe(
             xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs,
             xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
-            G=g_up, LOG2G=g_up.bit_length() - 1, ASM=asm, num_warps=4,
+            G=min(cfg.up_groups, triton.next_power_of_2(h // 256)), ASM=asm,
+            num_warps=cfg.up_warps,
         )  # fmt: skip
-        y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
-        _down_mmvq_kernel[(a, triton.cdiv(h, block_n))](
-            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, y,
-            h, down.data.stride(0), down.data.stride(1),
-            QD=int(down.qtype), F_GROUPS=f // 256, BLOCK_N=block_n,
-            G=g_down, LOG2G=g_down.bit_length() - 1, ASM=asm, num_warps=4,
+        _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
+            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, out,
+            h, down.data.stride(0), down.data.stride(1), out.stride(0),
+            QD=int(down.qtype), F=f, TOPK=k, K_BLOCK=triton.next_power_of_2(k),
+            BLOCK_N=cfg.down_block_n,
+            G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), ASM=asm,
+            num_warps=cfg.down_warps,
         )  # fmt: skip
-        _sum_topk_kernel[(t, triton.cdiv(h, 256))](y, out, h, out.stride(0), TOPK=k, BLOCK=256)
         return out
     if method == "gemv":
         block_n = block_n or 16

@@ -127,6 +127,9 @@ def test_fused_moe_q8_0_and_int32_ids():
         out = torch.full((4, 256), float("nan"), device=DEVICE)
         fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
         assert rel_err(out, ref) < 1e-5, method
+    out = torch.full((4, 256), float("nan"), device=DEVICE)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq")
+    assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
 
 
 def test_align_assignments_groups_by_expert():
