@@ -145,7 +145,7 @@ class RunTimer:
     """Wraps DecodeGraphs.run to time the host's input copy + launch inside each step."""
 
     def __init__(self, graphs):
-        self.graphs, self.inner, self.enter, self.spent = graphs, graphs.run, [], []
+        self.graphs, self.inner, self.enter, self.spent = graphs, graphs.run_decode, [], []
 
     def __call__(self, *args):
         t = time.perf_counter()
@@ -169,7 +169,7 @@ def measure(llm: LLM, b: int, use_graphs: bool, steps: int, warmup: int) -> dict
         timer = None
         if use_graphs:
             timer = RunTimer(graphs)
-            graphs.run = timer
+            graphs.run_decode = timer
         starts = []
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -191,8 +191,8 @@ def measure(llm: LLM, b: int, use_graphs: bool, steps: int, warmup: int) -> dict
             row["host_exposed_pct"] = 100 * row["host_exposed_ms"] / row["ms_per_step"]
         return row
     finally:
-        if graphs is not None and "run" in vars(graphs):
-            del graphs.run  # the instance attribute: back to the method
+        if graphs is not None and "run_decode" in vars(graphs):
+            del graphs.run_decode  # the instance attribute: back to the method
         for rid in rids:
             engine.abort(rid)
         runner.graphs = graphs

@@ -254,33 +254,34 @@ class Engine:
 
         New tokens are read from each request's `output_token_ids` after `update`, not from the
         raw samples: the scheduler may cut them at a stop token or max_tokens (drafts)."""
+        texts = self._text
         for rid in plan.finished_ids:
-            self._text.pop(rid, None)
+            texts.pop(rid, None)
+        get = self.scheduler.get
         sampled: list[tuple[Request, int]] = []
         for s in plan.scheduled:
-            req = self.scheduler.get(s.request_id)
-            if s.sample and req is not None:
-                sampled.append((req, req.num_output_tokens))
+            if s.sample and (req := get(s.request_id)) is not None:
+                sampled.append((req, len(req.output_token_ids)))
         self.scheduler.update(plan, result.sampled)
         outputs = []
         for req, num_before in sampled:
             new = req.output_token_ids[num_before:]
-            state = self._text.get(req.request_id)
+            state = texts.get(req.request_id)
             if not new or state is None:
                 continue
             # The EOS / stop token that ended the request is kept in the ids, not in the text.
-            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+            stopped_by_token = req.status is RequestStatus.FINISHED_STOPPED
             kept, stop = state.add_tokens(new, drop_last=stopped_by_token)
             if stop is not None:
                 del req.output_token_ids[num_before + kept :]
                 new = new[:kept]
                 self._finish_for_stop_string(req, stop)
-            if req.is_finished:
+            finished = req.status is not RequestStatus.RUNNING  # after update: or finished
+            if finished:
                 state.finish()
-            lps = result.logprobs.get(req.request_id, [])[: len(new)]
-            outputs.append(self._output(req, state, new, lps))
-            if req.is_finished:
-                self._text.pop(req.request_id, None)
+                del texts[req.request_id]
+            lps = result.logprobs.get(req.request_id, [])[: len(new)] if result.logprobs else []
+            outputs.append(self._output(req, state, new, lps, finished))
         return outputs
 
     def _finish_for_stop_string(self, req: Request, stop: str) -> None:
@@ -294,19 +295,20 @@ class Engine:
 
     @staticmethod
     def _output(
-        req: Request, state: RequestText, new: list[int], lps: list[TokenLogprobs]
+        req: Request, state: RequestText, new: list[int], lps: list[TokenLogprobs], finished: bool
     ) -> EngineOutput:
+        """The step's output of `req`; `new` and `lps` are lists of its own (not copied)."""
         delta = state.take_delta()
         return EngineOutput(
             request_id=req.request_id,
-            new_token_ids=list(new),
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
+            new_token_ids=new,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
             text=state.emitted_text,
             delta_text=delta,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(req.output_token_ids),
-            logprobs=list(lps),
+            logprobs=lps,
         )

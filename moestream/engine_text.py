@@ -66,7 +66,7 @@ class RequestText:
     def take_delta(self) -> str:
         """Text that is final and not yet handed out; marks it handed out."""
         visible = len(self.text)
-        if not self.finished:
+        if self.stop and not self.finished:
             visible -= held_back(self.text, self.stop)
         delta = self.text[self.emitted : visible] if visible > self.emitted else ""
         self.emitted = max(self.emitted, visible)

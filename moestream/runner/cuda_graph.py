@@ -2,9 +2,17 @@
 
 Everything that knows about CUDA graphs lives here. A pure decode step (every request feeds one
 token and samples it) of B <= max(buckets) sequences runs as the graph of the smallest bucket
->= B: the step's inputs are copied into static buffers, rows B .. bucket-1 are padding (slot -1:
-no KV write; seq_len 0: attention reads nothing), the graph replays the model forward and the
-output head, and the first B rows of its static logits come back. The sampler stays outside.
+>= B: the step's inputs go to static buffers, rows B .. bucket-1 are padding (slot -1: no KV
+write; seq_len 0: attention reads nothing), the graph replays the model forward and the output
+head, and the first B rows of its static logits come back. The sampler stays outside.
+
+Inputs reach the graph in one or two copies: the static buffers are typed views of one device
+buffer, mirrored by one host buffer (pinned on CUDA). `run_decode` writes a step's inputs into
+the host mirror with numpy, then copies the token ids, positions, slots and lengths (a few
+hundred bytes) with one non-blocking copy and the block-table rows that changed with a second.
+A row changes when another request takes it or its request's table grows by a block (a table
+only grows while its request holds its blocks; see `ScheduledRequest.block_ids`), so most steps
+copy no table at all. `run` takes tensors instead (checks, benchmarks).
 
 Capture of a bucket happens on its first step: one eager warm-up run on the static buffers (it
 compiles the Triton kernels) and the capture, both with every row padded so neither touches
@@ -20,6 +28,7 @@ does); `decode_graphs_for` returns None where graphs cannot run (CPU, streamed e
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -91,15 +100,43 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.buckets = tuple(buckets)
         self.backend = backend if backend is not None else CudaGraphBackend(self.device)
-        b, dev = self.max_batch, self.device
-        with torch.inference_mode():  # the runner steps in inference mode
-            self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
-            self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-            self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
-            self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-            self.block_tables = torch.zeros((b, max_blocks), dtype=torch.int32, device=dev)
-            self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self._alloc_inputs()
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # Host block-table rows as last written: (the request's block list, entries written).
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_batch
+
+    def _alloc_inputs(self) -> None:
+        """The static inputs as views of one device buffer, and its host mirror as numpy views.
+        The block tables come last: the fields before them are copied whole each step, the
+        table rows that changed apart."""
+        b, mb = self.max_batch, self.max_blocks
+        fields = (
+            ("input_ids", torch.int64, (b,)),
+            ("positions", torch.int64, (b,)),
+            ("slot_mapping", torch.int64, (b,)),
+            ("seq_lens", torch.int32, (b,)),
+            ("block_tables", torch.int32, (b, mb)),
+        )
+        sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + -(-size // 16) * 16)  # every field 16-byte aligned
+        cuda = self.device.type == "cuda"
+        with torch.inference_mode():  # the runner steps in inference mode
+            device_bytes = torch.zeros(offsets[-1], dtype=torch.uint8, device=self.device)
+            host_bytes = torch.zeros(offsets[-1], dtype=torch.uint8, pin_memory=cuda)
+            for (name, dtype, shape), size, at in zip(fields, sizes, offsets, strict=False):
+                view = device_bytes[at : at + size].view(dtype).view(shape)
+                setattr(self, name, view)
+                host = host_bytes[at : at + size].view(dtype).view(shape)
+                setattr(self, "_host_" + name, host.numpy())
+            self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+            self.slot_mapping.fill_(-1)  # no row writes K/V before a step says where
+        self._device_bytes, self._host_bytes = device_bytes, host_bytes
+        self._table_offset = offsets[-2]
+        self._host_slot_mapping.fill(-1)
+        # Set after each host -> device copy: the host mirror may be rewritten once it is done.
+        self._copied = torch.cuda.Event() if cuda else None
 
     @property
     def max_batch(self) -> int:
@@ -140,6 +177,55 @@ class DecodeGraphs:
         return graph
 
     @torch.inference_mode()
+    def run_decode(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        block_ids: Sequence[list[int]],
+    ) -> torch.Tensor:
+        """Logits [B, V] of one decode step from host data: per sequence its one new token,
+        that token's position and the sequence's block table (covering the position). Writes
+        the tokens' K/V like the eager forward. One host -> device copy; the result is a view
+        of a static buffer, valid until the next run."""
+        n = len(token_ids)
+        bucket = self.bucket_for(n)
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host mirror
+        bs, mb = self.block_size, self.max_blocks
+        slots = []
+        rows, table = self._rows, self._host_block_tables
+        first, last = n, -1  # block-table rows rewritten on the host
+        for i, (p, blocks) in enumerate(zip(positions, block_ids, strict=True)):
+            slots.append(blocks[p // bs] * bs + p % bs)
+            known, written = rows[i]
+            width = min(len(blocks), mb)
+            if known is not blocks:
+                table[i, :width] = blocks[:width]
+            elif width > written:
+                table[i, written:width] = blocks[written:width]
+            else:
+                continue
+            rows[i] = (blocks, width)
+            first, last = min(first, i), i
+        self._host_input_ids[:n] = token_ids
+        self._host_positions[:n] = positions
+        self._host_slot_mapping[:n] = slots
+        self._host_slot_mapping[n:bucket] = -1  # padding rows: no KV write, no attention
+        self._host_seq_lens[:n] = self._host_positions[:n] + 1
+        self._host_seq_lens[n:bucket] = 0
+        # Everything but the tables (a few hundred bytes), then the table rows that changed.
+        head = self._table_offset
+        self._device_bytes[:head].copy_(self._host_bytes[:head], non_blocking=True)
+        if last >= first:
+            start, end = head + first * mb * 4, head + (last + 1) * mb * 4
+            self._device_bytes[start:end].copy_(self._host_bytes[start:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+        return self.replay(bucket)[:n]
+
+    @torch.inference_mode()
     def run(
         self,
         input_ids: torch.Tensor,
@@ -148,13 +234,15 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [B, V] of one decode step: input_ids, positions [B] (the one new token of each
-        sequence), block_tables [B, nb], seq_lens [B] (context after this token), slot_mapping
-        [B]. Writes the tokens' K/V like the eager forward. The result is a view of a static
-        buffer, valid until the next `run`."""
+        """Logits [B, V] of one decode step from tensors: input_ids, positions [B] (the one new
+        token of each sequence), block_tables [B, nb], seq_lens [B] (context after this token),
+        slot_mapping [B]. Writes the tokens' K/V like the eager forward. The result is a view of
+        a static buffer, valid until the next run."""
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        replay, logits = self._graphs.get(bucket) or self._capture(bucket)
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        self._rows = [(None, 0)] * self.max_batch  # the device tables no longer mirror the host
         width = min(block_tables.shape[1], self.max_blocks)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -164,14 +252,12 @@ class DecodeGraphs:
         if n < bucket:  # padding rows: no KV write, no attention (stale ids/positions are valid)
             self.slot_mapping[n:bucket].fill_(-1)
             self.seq_lens[n:bucket].fill_(0)
-        replay()
-        return logits[:n]
+        return self.replay(bucket)[:n]
 
-    @torch.inference_mode()
     def replay(self, bucket: int) -> torch.Tensor:
-        """Replay bucket's graph on whatever its static buffers hold (the last step's inputs:
-        it rewrites the same K/V), returning all `bucket` rows of logits; for timing the
-        graph alone."""
+        """Replay bucket's graph on whatever its static buffers hold, returning all `bucket`
+        rows of logits. The runs call it after copying their inputs in; on its own (the last
+        step's inputs: it rewrites the same K/V) it times the graph alone."""
         replay, logits = self._graphs[bucket]
         replay()
         return logits

@@ -4,6 +4,10 @@ The runner is the only place where a plan becomes tensors. It follows `StepPlan`
 (moestream/types.py): every scheduled request's tokens are flattened into one batch, their K/V go
 to the slots their block tables give, and the rows that end a request's known tokens are sampled.
 
+Host time per step is kept small (bench/host_overhead.py measures it): a plan reaches the
+device in one copy (`runner/inputs.py`; the decode graphs' own staging buffer), rows that are
+greedy and ask for nothing else take one argmax, and the sampled ids come back in one read.
+
 Speculative decoding rides the same forward pass: a request with k drafts feeds its last token
 and the drafts, and gets k + 1 logits rows instead of one; `sample_with_drafts` verifies them
 (`spec.verify`) next to the plain decodes of the same step. K/V of rejected drafts stay in the
@@ -20,10 +24,10 @@ from typing import Protocol
 import torch
 
 from moestream.cache.kv_cache import PagedKVCache
-from moestream.layers.attention import AttentionMetadata
 from moestream.models.base import CausalLM
 from moestream.runner.cuda_graph import decode_graphs_for
-from moestream.sampling.sampler import Sampler, SamplingBatch
+from moestream.runner.inputs import StepInputs, build_step_inputs
+from moestream.sampling.sampler import Sampler, SamplingBatch, argmax_only
 from moestream.spec.verify import verify_drafts
 from moestream.types import ScheduledRequest, StepPlan
 
@@ -58,21 +62,28 @@ class LogitsProcessor(Protocol):
     ) -> torch.Tensor: ...
 
 
-@dataclass
-class _Batch:
-    """A plan flattened: the model inputs and which rows are sampled."""
+class HostReader:
+    """Reads a step's sampled token ids back to the host: on CUDA one non-blocking copy into a
+    pinned buffer and one wait on an event recorded after it (no pageable staging); elsewhere
+    `tolist`. The buffer is reused: a result must be read before the next `read`."""
 
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
-    # Rows of the flattened batch whose logits are needed: per entry of `sampled`, its last fed
-    # token's row preceded by one row per draft (k + 1 rows in all; 1 without drafts).
-    sample_rows: list[int]
-    sampled: list[ScheduledRequest]
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffer: torch.Tensor | None = None
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
 
-    @property
-    def has_drafts(self) -> bool:
-        return any(s.draft_token_ids for s in self.sampled)
+    def read(self, token_ids: torch.Tensor) -> list[int]:
+        """`token_ids` [N] int64 (on the reader's device) as a list of ints."""
+        if self._done is None:
+            return token_ids.tolist()
+        n = token_ids.shape[0]
+        if self._buffer is None or self._buffer.shape[0] < n:
+            self._buffer = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        host = self._buffer[:n]
+        host.copy_(token_ids, non_blocking=True)
+        self._done.record(torch.cuda.current_stream(self.device))
+        self._done.synchronize()
+        return host.tolist()
 
 
 class ModelRunner:
@@ -89,33 +100,23 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        self.reader = HostReader(device)
         self.logits_processor: LogitsProcessor | None = None
         # Pure decode steps as CUDA graphs (runner/cuda_graph.py); None: always eager.
         self.graphs = None if enforce_eager else decode_graphs_for(model, kv, block_size)
 
-    def prepare(self, plan: StepPlan) -> _Batch:
+    def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""
-        tokens: list[int] = []
-        positions: list[int] = []
-        seqs: list[tuple[int, int, list[int]]] = []
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        for s in plan.scheduled:
-            if s.draft_token_ids and not s.sample:
-                raise ValueError(f"request {s.request_id!r} carries drafts in a prefill chunk")
-            fed = s.token_ids + s.draft_token_ids
-            tokens.extend(fed)
-            positions.extend(range(s.start_pos, s.start_pos + len(fed)))
-            seqs.append((s.start_pos, len(fed), s.block_ids))
-            if s.sample:
-                sample_rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
-                sampled.append(s)
-        return _Batch(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn=AttentionMetadata.build(seqs, self.block_size, self.device),
-            sample_rows=sample_rows,
-            sampled=sampled,
+        return build_step_inputs(plan, self.block_size, self.device)
+
+    def _graph_step(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether the decode graphs can run this step: every request feeds one token, has no
+        drafts and is sampled, and they are at most the largest bucket."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and len(reqs) <= graphs.max_batch
+            and all(s.sample and len(s.token_ids) == 1 and not s.draft_token_ids for s in reqs)
         )
 
     @torch.inference_mode()
@@ -124,28 +125,35 @@ class ModelRunner:
         fed tokens reach its end (after its accepted drafts, for a request with drafts)."""
         if plan.is_empty:
             return RunnerOutput()
-        batch = self.prepare(plan)
-        if self.graphs is not None and self.graphs.can_run(batch.attn, len(batch.sampled)):
-            a = batch.attn
-            logits = self.graphs.run(
-                batch.input_ids, batch.positions, a.block_tables, a.seq_lens, a.slot_mapping
+        reqs = plan.scheduled
+        if self.graphs is not None and self._graph_step(reqs):
+            logits = self.graphs.run_decode(
+                [s.token_ids[0] for s in reqs],
+                [s.start_pos for s in reqs],
+                [s.block_ids for s in reqs],
             )  # [B, V] float32
-            return self.sample(logits, batch.sampled)
+            return self.sample(logits, reqs)
+        batch = self.prepare(plan)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H]
         if not batch.sampled:
             return RunnerOutput()
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [R, V] float32
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [R, V]
         if batch.has_drafts:
             return self.sample_with_drafts(logits, batch.sampled)
         return self.sample(logits, batch.sampled)
 
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> RunnerOutput:
-        """One token per row of `logits` [B, V] for `reqs` (in order), with logprobs if asked."""
+        """One token per row of `logits` [B, V] for `reqs` (in order), with logprobs if asked.
+
+        Rows that need only an argmax (greedy, no penalties, no logprobs: `argmax_only`) take
+        it on the device with one read-back, the same op the sampler's greedy path runs."""
         if self.logits_processor is not None:
             logits = self.logits_processor.apply(
                 logits, [s.request_id for s in reqs], [s.output_token_ids for s in reqs]
             )
+        if all(argmax_only(s.sampling_params) for s in reqs):
+            token_ids = self.reader.read(self.sampler.argmax(logits))  # [B] -> host
+            return RunnerOutput(sampled={s.request_id: [t] for s, t in zip(reqs, token_ids)})
         batch = SamplingBatch.from_params(
             [s.sampling_params for s in reqs],
             [s.output_token_ids for s in reqs],
@@ -153,15 +161,17 @@ class ModelRunner:
             self.device,
             [len(s.output_token_ids) for s in reqs],
         )
-        result = self.sampler.sample(logits, batch)
-        token_ids = result.token_ids.tolist()  # the step's one host synchronisation
-        out = RunnerOutput()
         want = [s.sampling_params.logprobs is not None for s in reqs]
-        lp = result.logprobs.tolist() if any(want) else []
+        result = self.sampler.sample(logits, batch, logprobs=any(want))
+        token_ids = self.reader.read(result.token_ids)  # the step's one host synchronisation
+        out = RunnerOutput()
+        lp: list[float] = []
         top_values: list[list[float]] = []
         top_ids: list[list[int]] = []
-        if any(want) and result.top_logprobs is not None:
-            top_values, top_ids = (t.tolist() for t in result.top_logprobs)
+        if result.logprobs is not None:
+            lp = result.logprobs.tolist()
+            if result.top_logprobs is not None:
+                top_values, top_ids = (t.tolist() for t in result.top_logprobs)
         for i, s in enumerate(reqs):
             out.sampled[s.request_id] = [token_ids[i]]
             if want[i]:

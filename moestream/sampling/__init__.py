@@ -8,6 +8,7 @@ from moestream.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    argmax_only,
     process_logits,
     step_seed,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "SamplingBatch",
     "TokenLogprobs",
     "apply_penalties",
+    "argmax_only",
     "gather_logprobs",
     "process_logits",
     "rejection_sample",

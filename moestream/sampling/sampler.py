@@ -15,8 +15,12 @@ sampler's generator.
 
 Host synchronisation: none on the device path. All branch decisions (any greedy row, largest
 top-k, ...) are Python values computed by `SamplingBatch.from_params` from the parameters;
-building the batch copies its small tensors host -> device. Seeded rows cost one generator and
-one noise kernel each (a short Python loop over seeded rows; the math stays batched).
+building the batch packs its per-row values into one host tensor per dtype and copies each
+host -> device once (from pinned memory on CUDA). Seeded rows cost one generator and one noise
+kernel each (a short Python loop over seeded rows; the math stays batched).
+
+A batch whose every row is `argmax_only` (greedy, no penalty, no logprobs) needs no batch at
+all: `Sampler.argmax` is the very op the greedy path runs on such rows.
 """
 
 from __future__ import annotations
@@ -44,6 +48,25 @@ def step_seed(seed: int, step: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1  # 63 bits: every torch generator accepts it
+
+
+def argmax_only(params: Any) -> bool:
+    """True when a row's token is the argmax of its logits and nothing else is asked of the
+    sampler: greedy, no penalty, no logprobs (`SamplingParams`-like, attribute access)."""
+    return (
+        (params.temperature < GREEDY_TEMPERATURE or params.top_k == 1)
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`: one non-blocking copy from pinned memory on CUDA."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _int_tensor(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -148,23 +171,27 @@ class SamplingBatch:
         if all_ids.numel() and int(all_ids.min()) < 0:
             raise ValueError("token ids for penalties must be >= 0")
 
-        def f32(x: list[float]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32).to(device)
-
+        floats = _to_device(
+            torch.tensor([temp, top_p, min_p, rep, pres, freq], dtype=torch.float32), device
+        )  # [6, B]
+        ints = _to_device(torch.tensor([top_k, greedy], dtype=torch.int64), device)  # [2, B]
+        index = torch.cat([out_rows, out_ids, prompt_rows, prompt_ids])  # [2n + 2m]
+        index = _to_device(index, device) if index.numel() else index.to(device)
+        n_out, n_prompt = out_ids.numel(), prompt_ids.numel()
         return cls(
             device=device,
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
-            temperature=f32(temp),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device),
-            top_p=f32(top_p),
-            min_p=f32(min_p),
-            repetition_penalty=f32(rep),
-            presence_penalty=f32(pres),
-            frequency_penalty=f32(freq),
-            output_token_rows=out_rows.to(device),
-            output_token_ids=out_ids.to(device),
-            prompt_token_rows=prompt_rows.to(device),
-            prompt_token_ids=prompt_ids.to(device),
+            greedy=ints[1] != 0,
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            presence_penalty=floats[4],
+            frequency_penalty=floats[5],
+            output_token_rows=index[:n_out],
+            output_token_ids=index[n_out : 2 * n_out],
+            prompt_token_rows=index[2 * n_out : 2 * n_out + n_prompt],
+            prompt_token_ids=index[2 * n_out + n_prompt :],
             generator_seeds=tuple(seeds),
             num_logprobs=tuple(p.logprobs for p in params_list),
             all_greedy=all(greedy),
@@ -308,8 +335,8 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True, eq=False)
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32, per the sampler's logprobs_mode
-    ranks: torch.Tensor  # [B] int64, 1 = the most likely token
+    logprobs: torch.Tensor | None  # [B] float32, per the sampler's logprobs_mode
+    ranks: torch.Tensor | None  # [B] int64, 1 = the most likely token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None  # ([B, K] f32, [B, K] i64)
 
 
@@ -341,8 +368,21 @@ class Sampler:
             self._generators[device] = g
         return g
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """One token per row of `logits` [B, V] (float32; other float types are upcast)."""
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Token ids [B] int64 of `logits` [B, V] for rows that are all `argmax_only`: exactly
+        what `sample` returns for them (the argmax of the float32 logits; ties go to the lowest
+        token id), without building a `SamplingBatch`."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits {tuple(logits.shape)} are not [rows, vocabulary]")
+        return logits.to(torch.float32).argmax(dim=-1)
+
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, logprobs: bool = True
+    ) -> SamplerOutput:
+        """One token per row of `logits` [B, V] (float32; other float types are upcast).
+
+        `logprobs` False skips the logprobs (`SamplerOutput.logprobs` and `ranks` are None):
+        no row asked for them."""
         raw = check_logits(logits, batch)
         penalised = apply_penalties(raw, batch) if batch.any_penalties else raw
         greedy_ids = penalised.argmax(dim=-1) if batch.any_greedy else None  # [B]
@@ -360,6 +400,8 @@ class Sampler:
             if greedy_ids is not None:
                 token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
         # Greedy rows have temperature 1 and no truncation: their processed rows are penalised.
+        if not logprobs:
+            return SamplerOutput(token_ids, None, None, None)
         source = {"raw": raw, "penalized": penalised, "processed": processed}[self.logprobs_mode]
         lp = gather_logprobs(source, token_ids, batch.max_num_logprobs)
         return SamplerOutput(token_ids, lp.logprobs, lp.ranks, lp.top_logprobs)

@@ -174,28 +174,42 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Plan the next step (see the module docstring for the policy)."""
         step = _Step(budget=self.max_num_batched_tokens)
-        for decodes in (True, False):
-            i = 0
-            while i < len(self.running) and step.budget > 0:
-                req = self.running[i]
-                i += 1
-                remaining = req.num_tokens - req.num_computed_tokens
-                if (remaining == 1) == decodes and req.request_id not in step.entries:
-                    self._schedule_running(req, step)
+        running = self.running  # preemption removes from it while we walk it
+        prefilling = False
+        i = 0
+        while i < len(running) and step.budget > 0:
+            req = running[i]
+            i += 1
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining == 1:
+                self._schedule_running(req, step, remaining)
+            else:
+                prefilling = True
+        i = 0
+        while prefilling and i < len(running) and step.budget > 0:
+            req = running[i]
+            i += 1
+            remaining = req.num_tokens - req.num_computed_tokens
+            if remaining != 1 and req.request_id not in step.entries:
+                self._schedule_running(req, step, remaining)
         if not step.preempted:
             self._admit_waiting(step)
         plan = StepPlan(list(step.entries.values()), step.preempted, self._finished_ids)
         self._finished_ids = []
         return plan
 
-    def _schedule_running(self, req: Request, step: _Step) -> None:
-        remaining = req.num_tokens - req.num_computed_tokens
+    def _schedule_running(self, req: Request, step: _Step, remaining: int) -> None:
+        """Schedule `remaining` (its tokens not yet computed) or as many as fit of a running
+        request, preempting the most recently arrived ones while no block can be had."""
         num_new = min(remaining, step.budget)
         drafts: list[int] = []
         if remaining == 1 and req.draft_token_ids:
             # k drafts can yield k + 1 tokens; never let that pass max_tokens.
             room = req.sampling_params.max_tokens - req.num_output_tokens - 1
             drafts = req.draft_token_ids[: max(0, min(room, step.budget - 1))]
+        if len(req.block_ids) * self.block_size >= req.num_computed_tokens + num_new + len(drafts):
+            self._add_entry(req, num_new, drafts, step)  # its blocks hold it: nothing to get
+            return
         while True:
             held = len(req.block_ids) + self.allocator.num_free
             fit = held * self.block_size - req.num_computed_tokens  # positions we could cover
@@ -258,7 +272,7 @@ class Scheduler:
             start_pos=start,
             block_ids=req.block_ids,
             sample=start + num_new == req.num_tokens,
-            draft_token_ids=list(drafts),
+            draft_token_ids=drafts,  # a new list: a slice of the request's, or []
             sampling_params=req.sampling_params,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
@@ -289,7 +303,7 @@ class Scheduler:
         finished = []
         for s in plan.scheduled:
             req = self._requests.get(s.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             tokens = sampled.get(s.request_id) or []
             if s.sample != bool(tokens) or len(tokens) > 1 + len(s.draft_token_ids):
@@ -297,13 +311,14 @@ class Scheduler:
                     f"runner returned {tokens} for {s.request_id!r} "
                     f"(sample={s.sample}, {len(s.draft_token_ids)} drafts)"
                 )
-            if tokens[:-1] != s.draft_token_ids[: len(tokens) - 1]:
+            if len(tokens) > 1 and tokens[:-1] != s.draft_token_ids[: len(tokens) - 1]:
                 raise ValueError(
                     f"runner accepted tokens {tokens[:-1]} that are not drafts "
                     f"{s.draft_token_ids} of {s.request_id!r}"
                 )
             req.num_computed_tokens = s.start_pos + len(s.token_ids)
-            req.draft_token_ids = []
+            if req.draft_token_ids:
+                req.draft_token_ids = []
             status = None
             for j, t in enumerate(tokens):
                 if j:

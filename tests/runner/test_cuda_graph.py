@@ -94,6 +94,86 @@ def test_padded_replay_matches_eager_and_writes_only_real_slots():
     assert graphs.captured == BUCKETS
 
 
+def test_run_decode_from_host_lists_matches_eager():
+    """`run_decode` takes each step's token ids, positions and block lists; it rewrites and
+    copies only the block-table rows that changed (a list grown in place, another request's
+    list in the row, rows moved, tables written by `run`). Every step matches the eager
+    forward, writes only the real rows' slots, and the static tables equal the requests'."""
+    model, backend = FakeModel(), RecomputeBackend()
+    graphs = DecodeGraphs(model.forward, BS, MAX_BLOCKS, "cpu", backend=backend)
+    rng = torch.Generator().manual_seed(5)
+    free = list(range(16))
+    live: dict[int, tuple[list[int], int]] = {}  # request -> (block list, next position)
+    next_id = 0
+    for step in range(40):
+        # Requests finish and arrive, so sequences change rows; tables grow in place.
+        for rid in list(live):
+            if torch.rand(1, generator=rng).item() < 0.15:
+                free += live.pop(rid)[0]
+        while len(live) < 1 + step % 9 and len(free) >= 2:
+            blocks = [free.pop(int(torch.randint(len(free), (1,), generator=rng)))]
+            live[next_id] = (blocks, int(torch.randint(BS, (1,), generator=rng)))
+            next_id += 1
+        order = list(live)
+        if step % 3 == 0:
+            order.reverse()
+        for rid in order:
+            blocks, pos = live[rid]
+            if pos == len(blocks) * BS and len(blocks) < MAX_BLOCKS and free:
+                blocks.append(free.pop())  # the same list object, one block longer
+            if pos == len(blocks) * BS:
+                free += blocks  # full: the request ends
+                del live[rid]
+        order = [r for r in order if r in live]
+        if not order:
+            continue
+        ids = torch.randint(0, 50, (len(order),), generator=rng)
+        pos = [live[r][1] for r in order]
+        tables = [live[r][0] for r in order]
+        seq_lens = torch.tensor([p + 1 for p in pos], dtype=torch.int32)
+        slots = torch.tensor([t[p // BS] * BS + p % BS for t, p in zip(tables, pos)])
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        model.kv.fill_(-1.0)  # (the fake's logits do not read it) so that every write shows
+        if step % 7 == 6:  # tensor-fed steps write the device tables behind the host's back
+            graphs.run(*decode_inputs(len(order) + 1, seed=step))
+            model.kv.fill_(-1.0)
+        kv_before = model.kv.clone()
+        with torch.inference_mode():
+            logits = graphs.run_decode(ids.tolist(), pos, tables)
+        written = (model.kv != kv_before).nonzero().flatten().sort().values
+        assert written.tolist() == sorted(slots.tolist()), f"step {step}: KV writes"
+        fresh = FakeModel()
+        fresh.kv.copy_(kv_before)
+        ref = eager(fresh, ids, torch.tensor(pos), padded, seq_lens, slots)
+        assert torch.equal(logits, ref), f"step {step}"
+        for i, t in enumerate(tables):
+            assert graphs.block_tables[i, : len(t)].tolist() == t, f"step {step} row {i}"
+        for r in order:
+            blocks, p = live[r]
+            live[r] = (blocks, p + 1)
+    assert backend.captures == len(graphs.captured) >= 4
+
+
+def test_static_inputs_are_aligned_views_of_one_buffer():
+    backend = RecomputeBackend()
+    graphs = DecodeGraphs(FakeModel().forward, BS, 7, "cpu", buckets=(1, 3, 5), backend=backend)
+    fields = {
+        "input_ids": (torch.int64, (5,)),
+        "positions": (torch.int64, (5,)),
+        "slot_mapping": (torch.int64, (5,)),
+        "seq_lens": (torch.int32, (5,)),
+        "block_tables": (torch.int32, (5, 7)),
+    }
+    storage = graphs.input_ids.untyped_storage().data_ptr()
+    for name, (dtype, shape) in fields.items():
+        t = getattr(graphs, name)
+        assert t.dtype == dtype and t.shape == shape and t.is_contiguous(), name
+        assert t.data_ptr() % 16 == 0, name
+        assert t.untyped_storage().data_ptr() == storage, name
+    assert (graphs.slot_mapping == -1).all()
+
+
 def test_capture_runs_on_padding_rows_only():
     """Warm-up/capture runs see every row padded: the KV cache is never touched by them."""
     model = FakeModel()

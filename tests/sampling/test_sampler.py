@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from moestream.sampling import Sampler, SamplingBatch, apply_penalties, process_logits, step_seed
+from moestream.sampling import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    argmax_only,
+    process_logits,
+    step_seed,
+)
 from moestream.sampling.sampler import apply_min_p, apply_top_k_top_p
 from moestream.types import SamplingParams as SP
 
@@ -261,3 +268,58 @@ def test_cuda_path_matches_cpu_and_never_synchronises():
     cpu_rej, _ = rejection_sample(drafts, None, target, cpu_batch)
     assert torch.equal(rej[0].cpu(), cpu_rej[0])  # greedy rows agree across devices
     torch.testing.assert_close(out.logprobs[0].cpu(), cpu.logprobs[0])
+
+
+def test_argmax_only_rows_and_the_argmax_path():
+    """`argmax_only` holds exactly for greedy rows that ask for nothing else, and for those
+    `Sampler.argmax` gives what `sample` gives (ties to the lowest id; bf16 upcast)."""
+    assert argmax_only(SP(temperature=0)) and argmax_only(SP(temperature=0.7, top_k=1))
+    for p in (
+        SP(temperature=0.7),
+        SP(temperature=0, logprobs=0),
+        SP(temperature=0, repetition_penalty=1.1),
+        SP(temperature=0, presence_penalty=0.5),
+        SP(temperature=0, frequency_penalty=-0.5),
+    ):
+        assert not argmax_only(p), p
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(4))
+    logits[1, [9, 2, 40]] = 50.0
+    params = [SP(temperature=0)] * 5
+    for x in (logits, logits.to(torch.bfloat16)):
+        expected = Sampler(seed=0).sample(x, make_batch(params)).token_ids
+        got = Sampler(seed=0).argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, expected)
+    assert Sampler().argmax(logits)[1] == 2
+
+
+def test_sample_without_logprobs_draws_the_same_tokens():
+    logits = torch.randn(8, 30, generator=torch.Generator().manual_seed(5))
+    params = [
+        SP(temperature=0.9, seed=i, top_k=5 * (i % 3), frequency_penalty=0.2 * (i % 2))
+        for i in range(8)
+    ]
+    batch = make_batch(params, [[1, 2, i] for i in range(8)])
+    full = Sampler(seed=1).sample(logits, batch)
+    lean = Sampler(seed=1).sample(logits, batch, logprobs=False)
+    assert torch.equal(full.token_ids, lean.token_ids)
+    assert full.logprobs is not None and lean.logprobs is None and lean.ranks is None
+
+
+def test_batch_fields_per_row():
+    """The per-row values `from_params` packs into one tensor per dtype come out per field."""
+    params = [
+        SP(temperature=0),
+        SP(temperature=0.5, top_k=7, top_p=0.8, min_p=0.1, repetition_penalty=1.2),
+        SP(temperature=1.5, presence_penalty=0.25, frequency_penalty=-0.5),
+    ]
+    b = make_batch(params, [[4], [5, 6], [7]], [[1], [2, 3], [8]])
+    assert b.greedy.tolist() == [True, False, False]
+    assert b.temperature.tolist() == [1.0, 0.5, 1.5]
+    assert b.top_k.tolist() == [0, 7, 0] and b.top_k.dtype == torch.int64
+    assert b.top_p.tolist() == pytest.approx([1.0, 0.8, 1.0])
+    assert b.min_p.tolist() == pytest.approx([0.0, 0.1, 0.0])
+    assert b.repetition_penalty.tolist() == pytest.approx([1.0, 1.2, 1.0])
+    assert b.presence_penalty.tolist() == [0.0, 0.0, 0.25]
+    assert b.frequency_penalty.tolist() == [0.0, 0.0, -0.5]
+    assert b.output_token_rows.tolist() == [1, 1, 2] and b.output_token_ids.tolist() == [5, 6, 7]
+    assert b.prompt_token_rows.tolist() == [1, 1] and b.prompt_token_ids.tolist() == [2, 3]
