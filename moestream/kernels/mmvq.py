@@ -157,38 +157,74 @@ def _k_scale_min(sp, s, ok):
 
 
 @triton.jit
-def _acc_q4_k(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
-    """Add Q4_K (Q5_K when Q5) runs to acc [MB, BN, R, 8] (scaled dots) and accm [MB, BN, R, 1]
-    (min terms, to subtract). Along R, element r is group sb[r], 32-byte run c[r] (0..3) of
-    qs, where ok[r]; word w of a run: low nibbles sub-block 2c (k = 64c + 4w + i), high
-    nibbles sub-block 2c + 1. rows [1, BN, R or 1, 1] byte pointers to row starts; xq (int32),
-    xd, xs (float32) [MB, 1, R or 1, 1] pointers to activation rows; wt multiplies the
-    scales (a routing weight, or 1.0)."""
+def _k_scale_min_words(w1, w2, w3, s):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block `s` (0..7) from the 12 scale bytes as three
+    little-endian words: bytes 0-3 scales 0-3, 4-7 mins 0-3; byte 8+i low nibble scale 4+i,
+    high nibble min 4+i, whose top two bits are bits 6-7 of bytes i and 4+i."""
+    low = s < 4
+    sh = 8 * tl.where(low, s, s - 4)
+    a = (w1 >> sh) & 0xFF
+    b = (w2 >> sh) & 0xFF
+    pk = (w3 >> sh) & 0xFF
+    sc = tl.where(low, a & 63, (pk & 15) | ((a >> 2) & 48))
+    mn = tl.where(low, b & 63, (pk >> 4) | ((b >> 2) & 48))
+    return _i2f(sc), _i2f(mn)
+
+
+@triton.jit
+def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
+    """Add Q4_K (Q5_K when Q5) runs to acc [MB, BN, R, 8]. Along R, element r is group sb[r],
+    32-byte run c[r] (0..3) of qs, where ok[r]; word w of a run: low nibbles sub-block 2c
+    (k = 64c + 4w + i), high nibbles sub-block 2c + 1; the run's min term goes to w = 0.
+    rows [1, BN, R or 1, 1] byte pointers to row starts; xq (int32), xd, xs (float32)
+    [MB, 1, R or 1, 1] pointers to activation rows; wt multiplies the scales (a routing
+    weight, or 1.0). Every load has acc's full shape, so it lands in acc's register layout:
+    a smaller tile would be moved there through shared memory behind a barrier, and the
+    barriers would serialise the loads (seen in the sm_90 SASS)."""
     BLK: tl.constexpr = 176 if Q5 else 144
     QS: tl.constexpr = 48 if Q5 else 16
-    w = tl.arange(0, 8)[None, None, None, :]
-    blk = rows + sb * BLK  # [1, BN, R, 1]
-    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=ok, other=0)
-    lo = qs & 0x0F0F0F0F  # [1, BN, R, 8]
+    z = tl.zeros(acc.shape, tl.int32)
+    w = tl.arange(0, 8)[None, None, None, :] + z
+    okf = ok & (w >= 0)  # [MB, BN, R, 8]
+    blk = rows + sb * BLK + z  # [MB, BN, R, 8]
+    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=okf, other=0)
+    lo = qs & 0x0F0F0F0F
     hi = (qs >> 4) & 0x0F0F0F0F
     if Q5:
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=ok, other=0)
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=okf, other=0)
         lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
         hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-    xw = xq + sb * 64 + 16 * c + w  # [MB, 1, R, 8]
-    zero = tl.zeros(acc.shape, tl.int32)
-    f0 = _i2f(dp4a(lo + zero, tl.load(xw, mask=ok, other=0) + zero, zero, ASM))
-    f1 = _i2f(dp4a(hi + zero, tl.load(xw + 8, mask=ok, other=0) + zero, zero, ASM))
-    sc0, mn0 = _k_scale_min(blk + 4, 2 * c, ok)  # [1, BN, R, 1]
-    sc1, mn1 = _k_scale_min(blk + 4, 2 * c + 1, ok)
-    d = _f16(blk, ok) * wt
-    dmin = _f16(blk + 2, ok) * wt
-    b0 = sb * 8 + 2 * c  # activation block of sub-block 2c
-    xd0, xs0 = tl.load(xd + b0, mask=ok, other=0.0), tl.load(xs + b0, mask=ok, other=0.0)
-    xd1, xs1 = tl.load(xd + b0 + 1, mask=ok, other=0.0), tl.load(xs + b0 + 1, mask=ok, other=0.0)
-    acc += (d * sc0 * xd0) * f0 + (d * sc1 * xd1) * f1
-    accm += dmin * (mn0 * xs0 + mn1 * xs1)
-    return acc, accm
+    xw = xq + sb * 64 + 16 * c + w  # [MB, BN, R, 8]
+    f0 = _i2f(dp4a(lo, tl.load(xw, mask=okf, other=0), z, ASM))
+    f1 = _i2f(dp4a(hi, tl.load(xw + 8, mask=okf, other=0), z, ASM))
+    # Scales, from loads contiguous along w (so they share qs's layout): words 0..3 of the
+    # block (d|dmin, 12 scale bytes) and the run's two activation blocks, each picked out by
+    # a where-sum over w (exact, and it keeps the parent layout).
+    hdr = tl.load(blk.to(tl.pointer_type(tl.int32)) + w, mask=okf & (w < 4), other=0)
+    h0 = tl.sum(tl.where(w == 0, hdr, 0), axis=3)[:, :, :, None]  # d | dmin << 16
+    h1 = tl.sum(tl.where(w == 1, hdr, 0), axis=3)[:, :, :, None]  # scale bytes 0-3
+    h2 = tl.sum(tl.where(w == 2, hdr, 0), axis=3)[:, :, :, None]  # 4-7
+    h3 = tl.sum(tl.where(w == 3, hdr, 0), axis=3)[:, :, :, None]  # 8-11
+    cc = tl.sum(tl.where(w == 0, c, 0), axis=3)[:, :, :, None]  # the run, 0..3
+    sc0, mn0 = _k_scale_min_words(h1, h2, h3, 2 * cc)
+    sc1, mn1 = _k_scale_min_words(h1, h2, h3, 2 * cc + 1)
+    d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * wt
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * wt
+    b0 = sb * 8 + 2 * c + w  # activation blocks 2c, 2c + 1 at w = 0, 1
+    xdv = tl.load(xd + b0, mask=okf & (w < 2), other=0.0)
+    xsv = tl.load(xs + b0, mask=okf & (w < 2), other=0.0)
+    xd0 = tl.sum(tl.where(w == 0, xdv, 0.0), axis=3)[:, :, :, None]
+    xd1 = tl.sum(tl.where(w == 1, xdv, 0.0), axis=3)[:, :, :, None]
+    xs0 = tl.sum(tl.where(w == 0, xsv, 0.0), axis=3)[:, :, :, None]
+    xs1 = tl.sum(tl.where(w == 1, xsv, 0.0), axis=3)[:, :, :, None]
+    # Explicit FMAs: left to the compiler, which multiply-add pairs get contracted depends on
+    # how many uses a product has, which changes with M_BLOCK (the sm_90 build differed in
+    # the last bit between M = 1 and M = 2); products that feed only an fma or a select leave
+    # it nothing to choose.
+    acc = tl.fma(d * sc0 * xd0, f0, acc)
+    acc = tl.fma(d * sc1 * xd1, f1, acc)
+    acc -= tl.where(w == 0, dmin * tl.fma(mn0, xs0, mn1 * xs1), 0.0)
+    return acc
 
 
 @triton.jit
@@ -197,61 +233,66 @@ def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
     c = 2n + t: half n (128 values), quarter r = 2p + t; ql word at 64n + 32t + 4w (nibble p),
     qh word at 128 + 32n + 4w (bits 2r); values k = 128n + 32r + 4w + i, minus 32; int8 scale
     8n + 2r + w // 4 (one per 16 values); d float16 at 208."""
-    w = tl.arange(0, 8)[None, None, None, :]
+    z = tl.zeros(acc.shape, tl.int32)
+    # Words in a permuted order (3w mod 8): these blocks are 2-byte aligned, so the weight
+    # words come from 16-bit loads with no contiguity; a permuted index gives every other
+    # load no contiguity either, so all loads get one register layout (no shared-memory
+    # conversions, no barriers between the loads in the sm_90 build).
+    w = (tl.arange(0, 8)[None, None, None, :] * 3) % 8 + z
+    okf = ok & (w >= 0)
     n = c // 2
     t = c % 2
-    h = (rows + sb * 210).to(tl.pointer_type(tl.int16))  # [1, BN, R, 1]
-    ql = _word16(h + 32 * n + 16 * t + 2 * w, ok)  # [1, BN, R, 8]
-    qh = _word16(h + 64 + 16 * n + 2 * w, ok)
+    base = rows + sb * 210 + z  # [MB, BN, R, 8]
+    h = base.to(tl.pointer_type(tl.int16))
+    ql = _word16(h + 32 * n + 16 * t + 2 * w, okf)
+    qh = _word16(h + 64 + 16 * n + 2 * w, okf)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
-    xw = xq + sb * 64 + 32 * n + 8 * t + w  # [MB, 1, R, 8]
-    zero = tl.zeros(acc.shape, tl.int32)
-    x0 = tl.load(xw, mask=ok, other=0) + zero
-    x1 = tl.load(xw + 16, mask=ok, other=0) + zero
-    m32 = zero - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
-    sp = (rows + sb * 210 + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
-    sc0 = tl.load(sp, mask=ok, other=0).to(tl.int32)  # [1, BN, R, 8]
-    sc1 = tl.load(sp + 4, mask=ok, other=0).to(tl.int32)
-    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0 + zero, x0, zero, ASM), ASM))  # [MB, BN, R, 8]
-    f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1 + zero, x1, zero, ASM), ASM))
-    b0 = sb * 8 + 4 * n + t  # activation block of quarter r = t
-    d = _f16(rows + sb * 210 + 208, ok) * wt  # [1, BN, R, 1]
-    xd0 = tl.load(xd + b0, mask=ok, other=0.0)
-    xd1 = tl.load(xd + b0 + 2, mask=ok, other=0.0)
-    acc += (d * xd0) * f0 + (d * xd1) * f1
-    return acc
+    xw = xq + sb * 64 + 32 * n + 8 * t + w
+    x0 = tl.load(xw, mask=okf, other=0)
+    x1 = tl.load(xw + 16, mask=okf, other=0)
+    m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
+    sp = (base + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
+    sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
+    sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
+    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
+    f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
+    b0 = sb * 8 + 4 * n + t + z  # activation block of quarter r = t
+    d = _f16(base + 208, okf) * wt
+    xd0 = tl.load(xd + b0, mask=okf, other=0.0)
+    xd1 = tl.load(xd + b0 + 2, mask=okf, other=0.0)
+    acc = tl.fma(d * xd0, f0, acc)  # explicit FMAs: see `_acc_q4_k`
+    return tl.fma(d * xd1, f1, acc)
 
 
 @triton.jit
 def _acc_q8_0(acc, rows, sb, b, ok, wt, xq, xd, ASM: tl.constexpr):
     """Add Q8_0 blocks to acc [MB, BN, R, 8]: element r is block b[r] (0..7) of group sb[r]
     (eight 34-byte blocks: f16 d, int8 q[32]); other arguments as `_acc_q4_k`."""
-    w = tl.arange(0, 8)[None, None, None, :]
-    blk = sb * 8 + b  # block index within the row
-    h = (rows + blk * 34).to(tl.pointer_type(tl.int16))  # [1, BN, R, 1]
-    q = _word16(h + 1 + 2 * w, ok)  # [1, BN, R, 8]
-    zero = tl.zeros(acc.shape, tl.int32)
-    x = tl.load(xq + blk * 8 + w, mask=ok, other=0) + zero
-    f = _i2f(dp4a(q + zero, x, zero, ASM))
-    d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32) * wt
-    acc += (d * tl.load(xd + blk, mask=ok, other=0.0)) * f
-    return acc
+    z = tl.zeros(acc.shape, tl.int32)
+    w = (tl.arange(0, 8)[None, None, None, :] * 3) % 8 + z  # permuted: see `_acc_q6_k`
+    okf = ok & (w >= 0)
+    blk = sb * 8 + (b * 3) % 8 + z  # block index within the row (blocks permuted likewise)
+    h = (rows + blk * 34).to(tl.pointer_type(tl.int16))  # [MB, BN, R, 8]
+    q = _word16(h + 1 + 2 * w, okf)
+    x = tl.load(xq + blk * 8 + w, mask=okf, other=0)
+    f = _i2f(dp4a(q, x, z, ASM))
+    d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=okf, other=0.0).to(tl.float32) * wt
+    return tl.fma(d * tl.load(xd + blk, mask=okf, other=0.0), f, acc)  # see `_acc_q4_k`
 
 
 @triton.jit
-def acc_runs(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, QTYPE: tl.constexpr,
-             ASM: tl.constexpr):  # fmt: skip
-    """Add runs of any MMVQ type (see `_acc_q4_k`); c is the run within its group (0..3, or
-    the block 0..7 for Q8_0); accm is used by Q4_K/Q5_K only. -> (acc, accm)."""
+def acc_runs(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Add runs of any MMVQ type to acc [MB, BN, R, 8] (see `_acc_q4_k`); c is the run within
+    its group (0..3, or the block 0..7 for Q8_0)."""
     if QTYPE == Q8_0:
         acc = _acc_q8_0(acc, rows, sb, c, ok, wt, xq, xd, ASM)
     elif QTYPE == Q6_K:
         acc = _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM)
     else:
         tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
-        acc, accm = _acc_q4_k(acc, accm, rows, sb, c, ok, wt, xq, xd, xs, QTYPE == Q5_K, ASM)
-    return acc, accm
+        acc = _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE == Q5_K, ASM)
+    return acc
 
 
 @triton.jit
@@ -279,8 +320,10 @@ def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexp
 
     A step loads G groups of every row at once (a tensor dimension, so all their loads are in
     flight together: a decode GEMV is latency-bound otherwise). Every weight word is unpacked
-    once for all M rows; products accumulate elementwise in float32 and are reduced once at
-    the end by `tree_sum`, so a row's result has the same bits at any M (batch invariance)."""
+    once for all M rows; a step's products are reduced by `tree_sum` (a fixed order) and the
+    steps summed in order, so a row's result has the same bits at any M (batch invariance).
+    No 4-D tensor is carried across steps: a loop-carried tile got a layout of its own and a
+    shared-memory conversion per step in the sm_90 build."""
     SUB: tl.constexpr = 8 if QTYPE == Q8_0 else 4  # runs of 8 words per group
     m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[:, None, None, None]  # [MB, 1, 1, 1]
     xq4 = xq + m * stride_q
@@ -288,15 +331,13 @@ def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexp
     xs4 = xs + m * stride_d
     r4 = rows[None, :, None, None]  # [1, BN, 1, 1]
     gc = tl.arange(0, SUB * G)[None, None, :, None]
-    acc = tl.zeros([M_BLOCK, BLOCK_N, SUB * G, 8], tl.float32)
-    accm = tl.zeros([M_BLOCK, BLOCK_N, SUB * G, 1], tl.float32)
+    out = tl.zeros([M_BLOCK, BLOCK_N], tl.float32)
     for i in range(0, GROUPS, G):
         sb = g_lo + i + gc // SUB
         ok = sb < g_lo + GROUPS
-        acc, accm = acc_runs(acc, accm, r4, sb, gc % SUB, ok, 1.0, xq4, xd4, xs4, QTYPE, ASM)
-    out = tree_sum(acc, M_BLOCK, BLOCK_N, SUB * G * 8)
-    if (QTYPE == Q4_K) or (QTYPE == Q5_K):  # noqa: SIM109
-        out -= tree_sum(accm, M_BLOCK, BLOCK_N, SUB * G)
+        part = tl.zeros([M_BLOCK, BLOCK_N, SUB * G, 8], tl.float32)
+        part = acc_runs(part, r4, sb, gc % SUB, ok, 1.0, xq4, xd4, xs4, QTYPE, ASM)
+        out += tree_sum(part, M_BLOCK, BLOCK_N, SUB * G * 8)
     return out
 
 

@@ -139,15 +139,13 @@ def _down_mmvq_kernel(
     wt = tl.load(weights_ptr + a).to(tl.float32)
     rows = d_ptr + slot * stride_de + nc * stride_dn  # [1, BN, R, 1]
     xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
-    acc = tl.zeros([1, BLOCK_N, R, 8], tl.float32)
-    accm = tl.zeros([1, BLOCK_N, R, 1], tl.float32)
-    for i in range(0, F // 256, G):
+    y = tl.zeros([1, BLOCK_N], tl.float32)
+    for i in range(0, F // 256, G):  # no 4-D tile carried across steps (see `mmvq_rows`)
         sb = i + r // SUB
         ok = (j < TOPK) & (sb < F // 256)
-        acc, accm = acc_runs(acc, accm, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
-    y = tree_sum(acc, 1, BLOCK_N, R * 8)  # [1, BN]
-    if (QD == 12) or (QD == 13):  # Q4_K, Q5_K: subtract the min terms  # noqa: SIM109
-        y -= tree_sum(accm, 1, BLOCK_N, R)
+        part = tl.zeros([1, BLOCK_N, R, 8], tl.float32)
+        part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
+        y += tree_sum(part, 1, BLOCK_N, R * 8)  # [1, BN]
     dst = out_ptr + t * stride_ot + n[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=n[None, :] < H)
 
