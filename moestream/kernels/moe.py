@@ -3,16 +3,22 @@
 out[t] = sum_j w[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]),  s = expert_slot[topk_ids[t, j]]
 
 Expert weights are found through the device-side `expert_slot` table, so no host round trip is
-needed when the experts are in place. Two paths, each two launches:
-- decode (few assignments, T*k <= GEMV_MAX_ASSIGNMENTS): GEMV-style. Stage 1 runs one program
-  per (assignment, block of F rows) for gate and up together, SiLU fused, h [T*k, F] float32;
+needed when the experts are in place. Three paths (`default_method` picks by A and types):
+- decode, integer dots ("mmvq", T*k <= MMVQ_MAX_ASSIGNMENTS, Q4_K/Q5_K/Q6_K/Q8_0): x rounded
+  to q8 blocks (`kernels.mmvq`, one launch), then one program per (assignment, 32 F rows) for
+  gate and up with SiLU and h's q8 rounding fused, then one program per (token, block of H
+  rows) that takes the token's k experts as a tensor dimension, routing weight folded into the
+  block scales, written straight into out [T, H]: three launches.
+- decode, float ("gemv", T*k <= GEMV_MAX_ASSIGNMENTS, other types): GEMV-style, two launches.
+  Stage 1 runs one program per (assignment, block of F rows) for gate and up together, SiLU
+  fused, h [T*k, F] float32;
   stage 2 one program per (token, block of H rows) that walks the token's k experts in selection
   order and writes the routing-weighted sum straight into out [T, H].
-- prefill: tokens grouped by expert (`align_assignments`, device-side torch ops, no sync) into
-  blocks of BLOCK_M assignments of one expert; stage 1 is a grouped GEMM with gate and up
-  dequantized per tile and `tl.dot`, SiLU fused, h [T*k, F] in x's dtype; stage 2 a grouped GEMM
-  whose rows are scaled by their routing weight into y [T*k, H] float32, summed over k in a fixed
-  order afterwards (deterministic, no atomics).
+- prefill (two launches): tokens grouped by expert (`align_assignments`, device-side torch ops,
+  no sync) into blocks of BLOCK_M assignments of one expert; stage 1 is a grouped GEMM with
+  gate and up dequantized per tile and `tl.dot`, SiLU fused, h [T*k, F] in x's dtype; stage 2
+  a grouped GEMM whose rows are scaled by their routing weight into y [T*k, H] float32, summed
+  over k in a fixed order afterwards (deterministic, no atomics).
 
 Letters: T tokens, H hidden, F expert FFN, E experts, S weight slots, k experts per token,
 A = T*k assignments.
@@ -39,7 +45,12 @@ from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
 from moestream.weights.qtensor import QTensor
 
-GEMV_MAX_ASSIGNMENTS = 64
+GEMV_MAX_ASSIGNMENTS = 64  # the float GEMV path's limit
+# The integer-dot path's limit. H200, Qwen3-30B-A3B layer (bench/kernels_gpu.py, bench/RESULTS.md):
+# mmvq 34.6 us at T=1 and 179 us at T=8 (A=64); the grouped GEMM 787 us at T=16 and 1,012 us at
+# T=32. mmvq's time grows at most linearly in A (distinct experts grow slower), so up to A=256
+# it stays under 4 x 179 = 716 us, below the GEMM.
+MMVQ_MAX_ASSIGNMENTS = 256
 
 
 @triton.jit
@@ -226,11 +237,12 @@ class MoeMmvqConfig(NamedTuple):
 
 
 def default_method(a: int, gate: QTensor, up: QTensor, down: QTensor) -> str:
-    """The decode path for few assignments (integer-dot "mmvq" where all three types have it,
-    else the float "gemv"), the grouped GEMM above GEMV_MAX_ASSIGNMENTS."""
-    if a > GEMV_MAX_ASSIGNMENTS:
-        return "gemm"
-    return "mmvq" if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)) else "gemv"
+    """The path for A assignments: integer-dot "mmvq" up to MMVQ_MAX_ASSIGNMENTS where all
+    three types have it, else the float "gemv" up to GEMV_MAX_ASSIGNMENTS; the grouped GEMM
+    above. Depends on (A, types) only, never on the routing (row results stay independent)."""
+    if a <= MMVQ_MAX_ASSIGNMENTS and all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+        return "mmvq"
+    return "gemv" if a <= GEMV_MAX_ASSIGNMENTS else "gemm"
 
 
 def unroll_for(groups: int) -> int:
