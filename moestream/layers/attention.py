@@ -366,6 +366,13 @@ class Attention:
             o = paged_decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale
             )  # [T, n, D]
+        elif kernels and attn.query_lens_cpu is not None:
+            from moestream.kernels.prefill_attention import paged_prefill_attention
+
+            o = paged_prefill_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
+                self.scale, max(attn.query_lens_cpu),
+            )  # [T, n, D]  # fmt: skip
         else:
             o = paged_attention_ref(q, k_cache, v_cache, attn, self.scale)  # [T, n, D]
         return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
