@@ -88,6 +88,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode steps eagerly instead of as CUDA graphs (CUDA only; for debugging)",
     )
     g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant GPU kernels: a request's greedy text does not depend on the other "
+        "requests, the prefill chunk size or prefix-cache hits (costs prefill speed; the CPU "
+        "path is invariant already)",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -273,6 +280,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
+        "deterministic": args.deterministic,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
         "host_expert_cache_gib": args.host_expert_cache_gib,

@@ -114,7 +114,8 @@ class LLM:
     (`torch.set_num_threads`); None picks `default_cpu_threads` on the CPU.
     `enforce_eager` runs every step eagerly; by default a CUDA model whose decode forward can
     be captured runs pure decode steps as CUDA graphs (one per batch-size bucket, captured on
-    first use).
+    first use). `deterministic` makes the GPU kernels batch-invariant (`kernels.ops`: a
+    request's greedy text cannot depend on what runs beside it), at a cost in prefill speed.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class LLM:
         draft_model: str | Path | None = None,
         num_speculative_tokens: int | None = None,
         enforce_eager: bool = False,
+        deterministic: bool = False,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
@@ -177,6 +179,8 @@ class LLM:
         )
         if enforce_eager:  # no CUDA graphs for decode steps (runner/cuda_graph.py)
             self.engine.runner.graphs = None
+        # Batch-invariant GPU kernels (kernels/ops.py); the CPU reference is invariant already.
+        self.model.batch_invariant = deterministic
 
     # ---- generation --------------------------------------------------------------------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -132,3 +132,23 @@ def test_bad_arguments(llm: LLM) -> None:
     with pytest.raises(RequestError, match="num_threads"):
         LLM(DEMO_MODEL, num_threads=0)
     assert_pool_clean(llm)
+
+
+def test_deterministic_reaches_the_model_and_changes_nothing_on_cpu(llm: LLM) -> None:
+    """`deterministic` switches the model to batch-invariant kernels (GPU); the CPU reference
+    is invariant already, so its output is the same bits."""
+    det = LLM(
+        DEMO_MODEL, device="cpu", max_model_len=256, max_num_batched_tokens=64, deterministic=True
+    )
+    assert det.model.batch_invariant and not llm.model.batch_invariant
+    for a, b in zip(det.generate(PROMPTS[:2], GREEDY), llm.generate(PROMPTS[:2], GREEDY)):
+        assert a.token_ids == b.token_ids and lp_pairs(a) == lp_pairs(b)
+
+
+def test_cli_deterministic_flag() -> None:
+    from moestream.cli import build_parser, llm_kwargs_from_args
+
+    args = build_parser().parse_args(["generate", "--deterministic", "-p", "hi"])
+    assert llm_kwargs_from_args(args)["deterministic"] is True
+    args = build_parser().parse_args(["generate", "-p", "hi"])
+    assert llm_kwargs_from_args(args)["deterministic"] is False

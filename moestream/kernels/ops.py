@@ -7,11 +7,24 @@ references) on machines without triton or without CUDA.
 Kernel path: a CUDA activation of float32/bfloat16/float16, triton installed, and weights of a
 type in KERNEL_QTYPES whose rows (K) are a multiple of 256 values. Float weights (F32, F16, BF16)
 and other block types take the reference, which for float weights is a plain cuBLAS matmul.
+
+Batch-invariant mode (`batch_invariant()`, the engine's `--deterministic` on a GPU): every row's
+result is computed by the same kernels in the same shapes whatever else is in the batch, so
+greedy text cannot change with concurrency, chunk size or prefix hits. Quantized matmuls run the
+integer-dot decode kernel on chunks of at most MMVQ_MAX_M rows (its row results do not depend on
+the chunk: tested), other quantized types one row at a time, float weights in fixed chunks of
+INVARIANT_ROWS rows (zero-padded, so cuBLAS always sees one shape), and the fused MoE its
+integer-dot path on chunks of at most INVARIANT_MOE_TOKENS tokens (one token at a time for other
+types). Prefill pays for it: the weights are read once per chunk instead of once per step. On
+the CPU the reference paths are batch-invariant already (`layers.linear`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +45,40 @@ GEMV_MAX_M = 1
 # activations rounded to 8 bits per block of 32, as llama.cpp's GPU decode path does).
 MMVQ_MAX_M = 8
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
+INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
+INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
+_BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within the block, kernel-path ops compute each row independently of the batch (module
+    docstring). Scoped to the current thread / task; nests."""
+    token = _BATCH_INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
+def batch_invariant_enabled() -> bool:
+    return _BATCH_INVARIANT.get()
+
+
+def _in_row_chunks(
+    x: torch.Tensor, rows: int, fn: Callable[[torch.Tensor], torch.Tensor], pad: bool = False
+) -> torch.Tensor:
+    """fn ([<= rows, K] -> [<= rows, N]) over consecutive chunks of at most `rows` rows of
+    x [M, K], results concatenated; with `pad`, the last chunk is zero-padded to `rows` rows
+    (fn always sees one shape)."""
+    parts = []
+    for i in range(0, x.shape[0], rows):
+        chunk = x[i : i + rows]
+        n = chunk.shape[0]
+        if pad and n < rows:
+            chunk = torch.cat([chunk, chunk.new_zeros(rows - n, *chunk.shape[1:])])
+        parts.append(fn(chunk)[:n])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -64,15 +111,24 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
     On the kernel path, up to MMVQ_MAX_M rows of a weight in MMVQ_QTYPES go to the integer-dot
-    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, more to the tiled GEMM.
+    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, more to the tiled GEMM;
+    in batch-invariant mode `invariant_quant_matmul` (and fixed row chunks for other weights).
     """
+    invariant = batch_invariant_enabled() and x.is_cuda
     if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
+        if invariant and x.numel() > 0:
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+            y = _in_row_chunks(x2, INVARIANT_ROWS, lambda c: quant_matmul_ref(c, w), pad=True)
+            return y.reshape(*lead, w.shape[0])
         return quant_matmul_ref(x, w)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] <= MMVQ_MAX_M and w.qtype in MMVQ_QTYPES:
+    if invariant:
+        y = invariant_quant_matmul(x2, w)
+    elif x2.shape[0] <= MMVQ_MAX_M and w.qtype in MMVQ_QTYPES:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
         y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
@@ -85,6 +141,19 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
         y = quant_gemm(x2, w)
     return y.reshape(*lead, w.shape[0])  # [..., N]
+
+
+def invariant_quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """x [M, K] @ W.T on the kernel path with every row's result independent of M: the
+    integer-dot kernel on chunks of at most MMVQ_MAX_M rows for its types, the float GEMV one
+    row at a time for the others. Runs under the Triton interpreter on CPU tensors too."""
+    if w.qtype in MMVQ_QTYPES:
+        from moestream.kernels.mmvq import mmvq, quantize_q8
+
+        return _in_row_chunks(x, MMVQ_MAX_M, lambda c: mmvq(quantize_q8(c), w, out_dtype=x.dtype))
+    from moestream.kernels.quant_gemv import quant_gemv
+
+    return _in_row_chunks(x, 1, lambda c: quant_gemv(c, w))
 
 
 def moe_forward_ref(
@@ -147,15 +216,45 @@ def moe_forward(
         return moe_forward_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     from moestream.kernels.moe import fused_moe
 
-    return fused_moe(
-        x if x.stride(-1) == 1 else x.contiguous(),
-        topk_ids.contiguous(),
-        topk_weights.contiguous(),
-        gate,
-        up,
-        down,
-        expert_slot.to(torch.int32).contiguous(),
-    )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    slot = expert_slot.to(torch.int32).contiguous()
+    if batch_invariant_enabled():
+        return invariant_moe(x, ids, weights, gate, up, down, slot)
+    return fused_moe(x, ids, weights, gate, up, down, slot)
+
+
+def invariant_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """The fused MoE with every token's result independent of the batch: the integer-dot path
+    on chunks of at most INVARIANT_MOE_TOKENS tokens (its rows are independent), other types
+    one token at a time. Arguments as `kernels.moe.fused_moe` (contiguous, int32 slots)."""
+    from moestream.kernels.moe import fused_moe
+
+    mmvq = all(w.qtype in MMVQ_QTYPES for w in (gate, up, down))
+    rows = INVARIANT_MOE_TOKENS if mmvq else 1
+    method = "mmvq" if mmvq else "gemv"
+    parts = [
+        fused_moe(
+            x[i : i + rows],
+            topk_ids[i : i + rows],
+            topk_weights[i : i + rows],
+            gate,
+            up,
+            down,
+            expert_slot,
+            method=method,
+        )  # fmt: skip
+        for i in range(0, x.shape[0], rows)
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:

@@ -17,13 +17,14 @@ softmax and routing compute in float32.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from moestream.cache.kv_cache import PagedKVCache
 from moestream.config import ModelConfig
 from moestream.errors import ModelFormatError
-from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES, embedding
+from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES, batch_invariant, embedding
 from moestream.layers.attention import Attention, AttentionMetadata
 from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, linear
 from moestream.layers.norm import RMSNorm, vector_weight
@@ -74,6 +75,8 @@ class CausalLM:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        # Batch-invariant kernels on a GPU (`kernels.ops.batch_invariant`; `--deterministic`).
+        self.batch_invariant = False
         self._tensors = tensors
         c = config
 
@@ -144,18 +147,23 @@ class CausalLM:
         decode metadata (`attn.is_decode`) it makes no host synchronisation and allocates only
         through the caching allocator: a CUDA graph can capture it (`supports_cuda_graphs`).
         """
-        residual = embedding(input_ids, self.embed_tokens).to(self.dtype)  # [T, H]
-        cos, sin = self.rope.cos_sin(positions)  # [T, R/2]
-        if not self.layers:
-            return self.norm(residual)
-        x = self.layers[0].attn_norm(residual)
-        for i, layer in enumerate(self.layers):
-            last = i + 1 == len(self.layers)
-            next_norm = self.norm if last else self.layers[i + 1].attn_norm
-            x, residual = layer(x, residual, next_norm, cos, sin, attn, kv.k[i], kv.v[i])
-        return x
+        with self._invariance():
+            residual = embedding(input_ids, self.embed_tokens).to(self.dtype)  # [T, H]
+            cos, sin = self.rope.cos_sin(positions)  # [T, R/2]
+            if not self.layers:
+                return self.norm(residual)
+            x = self.layers[0].attn_norm(residual)
+            for i, layer in enumerate(self.layers):
+                last = i + 1 == len(self.layers)
+                next_norm = self.norm if last else self.layers[i + 1].attn_norm
+                x, residual = layer(x, residual, next_norm, cos, sin, attn, kv.k[i], kv.v[i])
+            return x
 
     __call__ = forward
+
+    def _invariance(self) -> AbstractContextManager[None]:
+        """Batch-invariant kernels when the model asks for them; else whatever the caller set."""
+        return batch_invariant() if self.batch_invariant else nullcontext()
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -174,7 +182,8 @@ class CausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""
-        return linear(hidden, self.lm_head).float()
+        with self._invariance():
+            return linear(hidden, self.lm_head).float()
 
     def make_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
