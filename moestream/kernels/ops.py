@@ -197,6 +197,12 @@ def moe_forward_ref(
     return out.to(x.dtype)
 
 
+def moe_kernel_path(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> bool:
+    """Whether `moe_forward` takes the fused Triton kernel for these arguments (shape checks
+    aside): a kernel activation and three kernel weights on its device."""
+    return _use_kernels(x, gate, up, down)
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -212,7 +218,7 @@ def moe_forward(
     expert's slot must be valid (not checked on the device). topk_ids [T, k] int32/int64 and
     topk_weights [T, k] float are made contiguous, expert_slot int32, if they are not already.
     """
-    if not (_use_kernels(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
+    if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
         return moe_forward_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     from moestream.kernels.moe import fused_moe
 

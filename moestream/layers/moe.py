@@ -98,16 +98,11 @@ def fused_moe_path(x: torch.Tensor) -> bool:
 def moe_rows_independent(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> bool:
     """Whether row t of `ops.moe_forward(x, ids, weights, gate, up, down, slot)` depends only on
     (x[t], ids[t], weights[t]) and the shapes, not on the other rows' routing. True exactly when
-    it takes the fused Triton kernel (this mirrors the launcher's test): its method and tiles
+    it takes the fused Triton kernel (`ops.moe_kernel_path`): its method and tiles
     follow T*k and E only, and rows never mix. Not of the torch reference, whose BLAS calls
     vary with the rows per expert. The streamed layer relies on it to run a batch in passes
     over subsets of its experts and get the one-pass result bit for bit."""
-    return on_kernel_path(x) and all(
-        w.qtype in ops.KERNEL_QTYPES
-        and w.shape[-1] % ops.KERNEL_GROUP == 0
-        and w.device == x.device
-        for w in (gate, up, down)
-    )
+    return ops.moe_kernel_path(x, gate, up, down)
 
 
 class SparseMoE:
