@@ -1,0 +1,50 @@
+"""bench/greedy_gpu_vs_cpu.py's comparison on the CPU: the reference against itself agrees, and
+against another model (the draft, same tokenizer) each divergence gets the reference's margin."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from moestream.cli import DEMO_DRAFT, DEMO_MODEL
+from moestream.llm import LLM
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "greedy_gpu_vs_cpu.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("greedy_gpu_vs_cpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[LLM, LLM]:
+    if not (DEMO_MODEL.is_file() and DEMO_DRAFT.is_file()):
+        pytest.skip("demo models are not in this checkout")
+    return LLM(DEMO_MODEL, device="cpu", num_threads=1), LLM(
+        DEMO_DRAFT, device="cpu", num_threads=1
+    )
+
+
+def test_self_comparison_has_no_divergence(models) -> None:
+    target, _ = models
+    rows = load_script().compare(target, target, ["def add(a, b):"], 6, 0.1)
+    assert rows[0]["diverged_at"] is None and rows[0]["tokens"] == 6
+
+
+def test_divergence_gets_the_reference_margin(models) -> None:
+    target, draft = models
+    prompts = ["The history of the city", "import os\nimport sys\n"]
+    rows = load_script().compare(target, draft, prompts, 16, 0.1)
+    diverged = [r for r in rows if r["diverged_at"] is not None]
+    assert diverged, "the draft model should not reproduce the target's text"
+    for r in diverged:
+        assert r["ref_token"] != r["other_token"]
+        assert math.isfinite(r["margin_nats"]) and r["margin_nats"] >= 0.0  # target's argmax
+        assert r["other_rank"] >= 1
+        assert r["near_tie"] == (r["margin_nats"] <= 0.1)
