@@ -85,7 +85,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run decode steps eagerly instead of as CUDA graphs (CUDA only; for debugging)",
+        help="run decode and verification steps eagerly instead of as CUDA graphs (CUDA only; "
+        "for debugging)",
     )
     g.add_argument(
         "--deterministic",

@@ -112,10 +112,11 @@ class LLM:
 
     `num_threads` sets torch's intra-op CPU threads for the whole process
     (`torch.set_num_threads`); None picks `default_cpu_threads` on the CPU.
-    `enforce_eager` runs every step eagerly; by default a CUDA model whose decode forward can
-    be captured runs pure decode steps as CUDA graphs (one per batch-size bucket, captured on
-    first use). `deterministic` makes the GPU kernels batch-invariant (`kernels.ops`: a
-    request's greedy text cannot depend on what runs beside it), at a cost in prefill speed.
+    `enforce_eager` runs every step eagerly; by default a CUDA model whose forward can be
+    captured runs pure decode steps and verification steps (drafted tokens) as CUDA graphs (one
+    per batch-size bucket and tokens per request, captured on first use). `deterministic` makes
+    the GPU kernels batch-invariant (`kernels.ops`: a request's greedy text cannot depend on
+    what runs beside it), at a cost in prefill speed.
     """
 
     def __init__(
@@ -177,7 +178,7 @@ class LLM:
             spec=spec,
             vocab_tokens=self.source.metadata.get("tokenizer.ggml.tokens"),
         )
-        if enforce_eager:  # no CUDA graphs for decode steps (runner/cuda_graph.py)
+        if enforce_eager:  # no CUDA graphs for decode or verify steps (runner/cuda_graph.py)
             self.engine.runner.graphs = None
         # Batch-invariant GPU kernels (kernels/ops.py); the CPU reference is invariant already.
         self.model.batch_invariant = deterministic

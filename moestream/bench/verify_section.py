@@ -8,9 +8,10 @@ in `Request.draft_token_ids`, exactly where the speculator puts its proposals. T
 feeds them, the runner runs one forward over all b * k tokens and verifies the drafts
 (`spec.verify`), the scheduler commits the accepted ones. The timed region is the whole step
 (plan, forward, sampling or verification, commit) with the device synchronised at both ends;
-the proposer's own cost is not in it. k = 1 is the plain decode step as the engine runs it: on
-CUDA a CUDA graph where the model allows one (the row says so), while steps with drafts run
-eagerly, as they do under speculation. Random drafts are nearly always rejected, so the
+the proposer's own cost is not in it. Every k runs as the engine runs it: on CUDA a decode
+(k = 1) or verify (k > 1) CUDA graph where the model and the runner's buckets allow one, else
+eagerly; a row's `cuda_graph` is True when every kept step of it replayed a graph (read from
+`ModelRunner.last_step_graph` after each step). Random drafts are nearly always rejected, so the
 context grows by about one token per step. Rounds interleave the ks (1 2 4, 4 2 1, ...) so
 that drift reaches every k alike; `warmup` rounds are dropped (on CUDA they also take the
 first-use costs: Triton compiles, graph capture of the batch's bucket), `repeats` kept.
@@ -126,7 +127,6 @@ class VerifyCostSection:
         finally:
             for rid in ids:
                 engine.abort(rid)
-        graphs = engine.runner.graphs
         base = stats(times[1]["ms"])["median"]
         rows = []
         for k in ks:
@@ -135,7 +135,7 @@ class VerifyCostSection:
                 "batch": b, "k": k, "drafts_per_request": k - 1, "tokens_per_step": b * k,
                 "step_ms": step_ms, "cost_ratio": step_ms["median"] / base,
                 "accepted_drafts": times[k]["accepted"],
-                "cuda_graph": k == 1 and graphs is not None and b <= graphs.max_batch,
+                "cuda_graph": times[k]["graph"],
                 "samples": [{"step_ms": t} for t in times[k]["ms"]],
             })  # fmt: skip
         return rows
@@ -144,14 +144,15 @@ class VerifyCostSection:
         self, ctx: BenchContext, ids: list[str], ks: list[int], rounds: int
     ) -> dict[int, dict[str, Any]]:
         """Prefill `ids` (untimed), then `rounds` rounds of one timed step per k: per k the
-        kept step times in ms and the drafts the target accepted."""
+        kept step times in ms, the drafts the target accepted, and whether every kept step
+        ran as a CUDA graph."""
         engine = ctx.llm.engine
         started: set[str] = set()
         while len(started) < len(ids):
             started.update(o.request_id for o in engine.step() if o.new_token_ids)
         rng = np.random.default_rng((ctx.config.seed, _DRAFT_ID, len(ids)))
         vocab = ctx.llm.config.vocab_size
-        out: dict[int, dict[str, Any]] = {k: {"ms": [], "accepted": 0} for k in ks}
+        out: dict[int, dict[str, Any]] = {k: {"ms": [], "accepted": 0, "graph": True} for k in ks}
         preemptions = engine.scheduler.num_preemptions
         for r in range(rounds):
             for k in ks if r % 2 == 0 else ks[::-1]:
@@ -173,6 +174,7 @@ class VerifyCostSection:
                 if r >= ctx.config.warmup:
                     out[k]["ms"].append(ms)
                     out[k]["accepted"] += sum(got.values()) - len(ids)
+                    out[k]["graph"] &= engine.runner.last_step_graph is not None
         if engine.scheduler.num_preemptions != preemptions:
             raise RuntimeError("a request was preempted during the verify-cost steps")
         return out

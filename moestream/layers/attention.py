@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.config import ModelConfig
+from moestream.kernels.ops import batch_invariant_enabled
 from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, fuse_linears
 from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
 from moestream.layers.rope import RotaryEmbedding, apply_rope
@@ -30,11 +31,13 @@ class AttentionMetadata:
     block_tables [B, max_blocks] int32: block ids of each sequence, padded with 0.
     slot_mapping [T] int64: flat cache slot (block_id * block_size + offset) of each new token.
     query_lens_cpu, seq_lens_cpu: host copies, so the reference path never synchronizes (None
-    in metadata made by `for_decode`, whose values live on the device only).
+    in metadata made by `for_decode` and `for_verify`, whose values live on the device only).
     is_decode: every sequence has exactly one new token (the decode kernel's case).
+    max_query_len: a host bound on any sequence's new tokens (sizes the prefill kernel's grid);
+    None: take it from query_lens_cpu.
 
-    A slot_mapping entry < 0 (padding rows of a CUDA graph bucket, with seq_lens 0) writes no
-    K/V; only the CUDA decode path accepts such rows.
+    A slot_mapping entry < 0 (padding rows of a CUDA graph bucket) writes no K/V; only the CUDA
+    kernel paths accept such rows.
     """
 
     query_start_loc: torch.Tensor
@@ -45,6 +48,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None
     block_size: int
     is_decode: bool = False
+    max_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -53,6 +57,13 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    @property
+    def query_len_bound(self) -> int | None:
+        """`max_query_len`, else the longest of `query_lens_cpu`; None when neither is known."""
+        if self.max_query_len is not None:
+            return self.max_query_len
+        return max(self.query_lens_cpu) if self.query_lens_cpu else None
 
     @classmethod
     def for_decode(
@@ -74,6 +85,33 @@ class AttentionMetadata:
             seq_lens_cpu=None,
             block_size=block_size,
             is_decode=True,
+            max_query_len=1,
+        )
+
+    @classmethod
+    def for_verify(
+        cls,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        block_size: int,
+        tokens_per_seq: int,
+    ) -> AttentionMetadata:
+        """Metadata over device tensors only (static buffers of a CUDA graph) for steps of
+        `tokens_per_seq` rows per sequence: query_start_loc [B+1] = 0, K, 2K, ...; sequence
+        b's new tokens are the last K of its seq_lens[b] (0: a padding sequence). No host
+        copies, so only the CUDA prefill-kernel path can read it."""
+        return cls(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            query_lens_cpu=None,
+            seq_lens_cpu=None,
+            block_size=block_size,
+            is_decode=False,
+            max_query_len=tokens_per_seq,
         )
 
     @classmethod
@@ -116,6 +154,7 @@ class AttentionMetadata:
             seq_lens_cpu=seq_lens,
             block_size=block_size,
             is_decode=all(n == 1 for n in query_lens),
+            max_query_len=max(query_lens),
         )
 
 
@@ -288,7 +327,9 @@ class Attention:
 
     On the kernel path (CUDA, triton) Q/K/V projections of one weight type are merged into one
     matmul, norm + RoPE + cache write are one launch, and decode steps (one token per sequence)
-    use the split-context paged-attention kernel: no host sync, capturable in a CUDA graph.
+    use the split-context paged-attention kernel, steps with several tokens per sequence the
+    paged prefill kernel (its grid from `max_query_len`): no host sync, capturable in a CUDA
+    graph.
     Elsewhere the torch references run (per-query attention on the CPU, batch-invariant)."""
 
     def __init__(
@@ -360,18 +401,21 @@ class Attention:
             q = self.rope.apply(q, cos, sin)
             k = self.rope.apply(k, cos, sin)
             write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        if kernels and attn.is_decode:
+        # Batch-invariant mode runs every step's attention through the several-token kernel
+        # (one token per sequence included), so a token's bits never depend on whether it came
+        # in a decode step, a prefill chunk or a verification.
+        if kernels and attn.is_decode and not batch_invariant_enabled():
             from moestream.kernels.paged_attention import paged_decode_attention
 
             o = paged_decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale
             )  # [T, n, D]
-        elif kernels and attn.query_lens_cpu is not None:
+        elif kernels and (attn.query_len_bound is not None or attn.is_decode):
             from moestream.kernels.prefill_attention import paged_prefill_attention
 
             o = paged_prefill_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.query_start_loc, attn.seq_lens,
-                self.scale, max(attn.query_lens_cpu),
+                self.scale, 1 if attn.is_decode else attn.query_len_bound,
             )  # [T, n, D]  # fmt: skip
         else:
             o = paged_attention_ref(q, k_cache, v_cache, attn, self.scale)  # [T, n, D]

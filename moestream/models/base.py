@@ -144,7 +144,8 @@ class CausalLM:
         """input_ids, positions [T] int64 (the flattened batch) -> final-normed hidden [T, H].
 
         Writes the new tokens' K/V into `kv` at `attn.slot_mapping`. On the kernel path with
-        decode metadata (`attn.is_decode`) it makes no host synchronisation and allocates only
+        decode metadata (`attn.is_decode`) or verification metadata (`for_verify`: a fixed
+        number of tokens per sequence) it makes no host synchronisation and allocates only
         through the caching allocator: a CUDA graph can capture it (`supports_cuda_graphs`).
         """
         with self._invariance():

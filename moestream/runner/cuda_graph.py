@@ -1,24 +1,42 @@
-"""Decode steps as CUDA graphs: one graph per bucketed batch size, captured on first use.
+"""Decode and verify steps as CUDA graphs: one graph per (batch bucket, tokens per request),
+captured on first use.
 
-Everything that knows about CUDA graphs lives here. A pure decode step (every request feeds one
-token and samples it) of B <= max(buckets) sequences runs as the graph of the smallest bucket
->= B: the step's inputs go to static buffers, rows B .. bucket-1 are padding (slot -1: no KV
-write; seq_len 0: attention reads nothing), the graph replays the model forward and the output
-head, and the first B rows of its static logits come back. The sampler stays outside.
+Everything that knows about CUDA graphs lives here. A step in which every request feeds its
+last sampled token and d_i >= 0 drafted tokens, and is sampled, runs as a graph when it fits:
 
-Inputs reach the graph in one or two copies: the static buffers are typed views of one device
-buffer, mirrored by one host buffer (pinned on CUDA). `run_decode` writes a step's inputs into
-the host mirror with numpy, then copies the token ids, positions, slots and lengths (a few
-hundred bytes) with one non-blocking copy and the block-table rows that changed with a second.
-A row changes when another request takes it or its request's table grows by a block (a table
-only grows while its request holds its blocks; see `ScheduledRequest.block_ids`), so most steps
-copy no table at all. `run` takes tensors instead (checks, benchmarks).
+- Decode (no drafts): B <= max(buckets) sequences run as the graph of the smallest bucket >= B,
+  one row per sequence. Rows B .. bucket-1 are padding (slot -1: no KV write; seq_len 0:
+  attention reads nothing). Attention is the split-context decode kernel.
+- Verify (some drafts): K = the smallest of `verify_tokens` >= max d_i + 1, B <= the largest
+  of `verify_buckets`. Each sequence owns K rows, its d_i + 1 real tokens first, then pad rows
+  (slot -1, the last real token and position repeated); padding sequences own K pad rows and
+  seq_len 0. Static metadata: query_start_loc = arange(0, B*K + 1, K), seq_lens[b] =
+  start_b + K (the attention kernel takes a sequence's new tokens to be the last K of its
+  seq_lens), max_query_len = K, so `paged_prefill_attention` needs no host list. Real queries
+  see only their own causal past (all written by this or earlier steps): the pad rows sit after
+  them. The pad rows' own keys may lie past the sequence's blocks: the table has spare columns
+  (`table_width`) and every entry is a valid block id (0 or a stale id), and the pool is
+  zero-initialised and only ever holds finite K/V, so those reads are in bounds and finite;
+  their results are dropped. The real rows' logits come back in the verifier's order (per
+  request its last token's row, then one per draft) through a static row index.
+The sampler and the verifier stay outside the graphs.
 
-Capture of a bucket happens on its first step: one eager warm-up run on the static buffers (it
+Inputs reach the graphs in one or two copies: the static buffers are typed views of one device
+buffer, mirrored by one host buffer (pinned on CUDA). A run writes a step's inputs into the
+host mirror with numpy, then copies token ids, positions, slots, row index and lengths (a few
+KB) with one non-blocking copy and the block-table rows that changed with a second. A row
+changes when another request takes it or its request's table grows by a block (a table only
+grows while its request holds its blocks; see `ScheduledRequest.block_ids`), so most steps copy
+no table at all. `run` takes tensors instead (checks, benchmarks).
+
+Capture of a graph happens on its first step: one eager warm-up run on the static buffers (it
 compiles the Triton kernels) and the capture, both with every row padded so neither touches
 the KV cache; then the step's inputs are copied in and the graph replays. All graphs share one
 private memory pool: they replay one at a time on one stream, and each graph's output buffer
-stays allocated, so their temporaries may overlap safely.
+stays allocated, so their temporaries may overlap safely. Memory: the outputs are float32
+logits, rows x vocabulary x 4 bytes per graph; with the default buckets at most 63 decode rows
+and 31 * 30 = 930 verify rows (all 26 graphs; a Qwen3 vocabulary of 151,936: ~38 MB and
+~565 MB), plus one step's temporaries at the largest graph (256 rows) in the shared pool.
 
 The forward must make no host synchronisation and no host -> device copy, and must read its
 inputs only from the buffers it is given (`CausalLM.supports_cuda_graphs` says when a model's
@@ -38,9 +56,11 @@ from moestream.cache.kv_cache import PagedKVCache
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.base import CausalLM
 
-BUCKETS = (1, 2, 4, 8, 16, 32)
+BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch sizes
+VERIFY_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes of steps with drafts
+VERIFY_TOKENS = (2, 4, 8, 16)  # tokens per request (K) of steps with drafts
 
-# input_ids [B] int64, positions [B] int64, decode metadata -> logits [B, V] float32
+# input_ids [N] int64, positions [N] int64, metadata -> logits [N, V] float32 (N = B * K rows)
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
@@ -76,11 +96,19 @@ class CudaGraphBackend:
         return graph.replay, out
 
 
+def _check_buckets(name: str, buckets: Sequence[int], least: int) -> tuple[int, ...]:
+    if list(buckets) != sorted(set(buckets)) or (buckets and buckets[0] < least):
+        raise ValueError(f"{name} must be increasing sizes >= {least}, got {tuple(buckets)}")
+    return tuple(buckets)
+
+
 class DecodeGraphs:
-    """Bucketed replay of a decode forward over static input buffers (module docstring).
+    """Bucketed replay of a forward over static input buffers, for decode steps (one token per
+    sequence) and verify steps (K tokens per sequence); see the module docstring.
 
     `max_blocks` bounds the block-table columns a sequence can use (its context over the block
     size); wider tables are cut to it, which loses nothing since no sequence is that long.
+    `verify_buckets` or `verify_tokens` empty: no verify graphs.
     """
 
     def __init__(
@@ -91,31 +119,65 @@ class DecodeGraphs:
         device: torch.device | str,
         buckets: Sequence[int] = BUCKETS,
         backend: GraphBackend | None = None,
+        verify_buckets: Sequence[int] = VERIFY_BUCKETS,
+        verify_tokens: Sequence[int] = VERIFY_TOKENS,
     ):
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
-            raise ValueError(f"buckets must be increasing positive sizes, got {buckets}")
+        if not buckets:
+            raise ValueError("buckets must be increasing positive sizes, got ()")
+        self.buckets = _check_buckets("buckets", buckets, 1)
+        self.verify_buckets = _check_buckets("verify_buckets", verify_buckets, 1)
+        self.verify_tokens = _check_buckets("verify_tokens", verify_tokens, 2)
+        if not (self.verify_buckets and self.verify_tokens):
+            self.verify_buckets, self.verify_tokens = (), ()
         self.forward = forward
         self.block_size = block_size
         self.max_blocks = max_blocks
+        # Spare columns: a verify step's pad rows reach K - 1 positions past a full table.
+        most = self.max_tokens_per_seq
+        self.table_width = max_blocks + -(-(most - 1) // block_size)
         self.device = torch.device(device)
-        self.buckets = tuple(buckets)
         self.backend = backend if backend is not None else CudaGraphBackend(self.device)
         self._alloc_inputs()
-        self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # (bucket, tokens per sequence) -> (replay, static logits [bucket * tokens, V])
+        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
         # Host block-table rows as last written: (the request's block list, entries written).
-        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_batch
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_seqs
+
+    @property
+    def max_batch(self) -> int:
+        """Most sequences of a decode step."""
+        return self.buckets[-1]
+
+    @property
+    def max_verify_batch(self) -> int:
+        """Most sequences of a verify step (0: no verify graphs)."""
+        return self.verify_buckets[-1] if self.verify_buckets else 0
+
+    @property
+    def max_tokens_per_seq(self) -> int:
+        """Most tokens per sequence of any graph (1: decode graphs only)."""
+        return self.verify_tokens[-1] if self.verify_tokens else 1
+
+    @property
+    def max_seqs(self) -> int:
+        return max(self.max_batch, self.max_verify_batch)
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.max_batch, self.max_verify_batch * self.max_tokens_per_seq)
 
     def _alloc_inputs(self) -> None:
         """The static inputs as views of one device buffer, and its host mirror as numpy views.
         The block tables come last: the fields before them are copied whole each step, the
         table rows that changed apart."""
-        b, mb = self.max_batch, self.max_blocks
+        rows, seqs, width = self.max_rows, self.max_seqs, self.table_width
         fields = (
-            ("input_ids", torch.int64, (b,)),
-            ("positions", torch.int64, (b,)),
-            ("slot_mapping", torch.int64, (b,)),
-            ("seq_lens", torch.int32, (b,)),
-            ("block_tables", torch.int32, (b, mb)),
+            ("input_ids", torch.int64, (rows,)),
+            ("positions", torch.int64, (rows,)),
+            ("slot_mapping", torch.int64, (rows,)),
+            ("sample_rows", torch.int64, (rows,)),  # verify: real rows in the verifier's order
+            ("seq_lens", torch.int32, (seqs,)),
+            ("block_tables", torch.int32, (seqs, width)),
         )
         sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in fields]
         offsets = [0]
@@ -130,8 +192,14 @@ class DecodeGraphs:
                 setattr(self, name, view)
                 host = host_bytes[at : at + size].view(dtype).view(shape)
                 setattr(self, "_host_" + name, host.numpy())
-            self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=self.device)
+            # query_start_loc per tokens per sequence: static, never copied.
+            self._query_start_loc = {
+                k: torch.arange(0, n * k + 1, k, dtype=torch.int32, device=self.device)
+                for k, n in [(1, self.max_batch)]
+                + [(k, self.max_verify_batch) for k in self.verify_tokens]
+            }
             self.slot_mapping.fill_(-1)  # no row writes K/V before a step says where
+        self.query_start_loc = self._query_start_loc[1]
         self._device_bytes, self._host_bytes = device_bytes, host_bytes
         self._table_offset = offsets[-2]
         self._host_slot_mapping.fill(-1)
@@ -139,42 +207,97 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if cuda else None
 
     @property
-    def max_batch(self) -> int:
-        return self.buckets[-1]
+    def captured(self) -> tuple[int, ...]:
+        """Decode buckets captured so far, in increasing order."""
+        return tuple(sorted(b for b, k in self._graphs if k == 1))
 
     @property
-    def captured(self) -> tuple[int, ...]:
-        """Buckets captured so far, in increasing order."""
-        return tuple(sorted(self._graphs))
+    def captured_verify(self) -> tuple[tuple[int, int], ...]:
+        """(bucket, tokens per sequence) of the verify graphs captured so far, sorted."""
+        return tuple(sorted(key for key in self._graphs if key[1] > 1))
 
     def bucket_for(self, num_seqs: int) -> int:
-        """The smallest bucket that holds `num_seqs` sequences (ValueError past the largest)."""
+        """The smallest decode bucket that holds `num_seqs` sequences (ValueError past the
+        largest)."""
         if not 0 < num_seqs <= self.max_batch:
             raise ValueError(f"{num_seqs} sequences: graphs take 1 .. {self.max_batch}")
         return self.buckets[bisect.bisect_left(self.buckets, num_seqs)]
 
+    def graph_for(self, num_seqs: int, tokens: int) -> tuple[int, int] | None:
+        """(bucket, tokens per sequence) of the graph that runs a step of `num_seqs` sequences
+        feeding at most `tokens` tokens each (1: a decode step), or None when none fits."""
+        if tokens == 1:
+            return (self.bucket_for(num_seqs), 1) if 0 < num_seqs <= self.max_batch else None
+        if not (0 < num_seqs <= self.max_verify_batch and 1 < tokens <= self.max_tokens_per_seq):
+            return None
+        b = self.verify_buckets[bisect.bisect_left(self.verify_buckets, num_seqs)]
+        return b, self.verify_tokens[bisect.bisect_left(self.verify_tokens, tokens)]
+
     def can_run(self, attn: AttentionMetadata, num_sampled: int) -> bool:
-        """Whether a step with this metadata is a pure decode step the graphs can run: one new
-        token per sequence, every sequence sampled, at most `max_batch` of them."""
+        """Whether a step with this metadata is a pure decode step the decode graphs can run:
+        one new token per sequence, every sequence sampled, at most `max_batch` of them."""
         return attn.is_decode and num_sampled == attn.num_seqs and attn.num_seqs <= self.max_batch
 
-    def _static_attn(self, bucket: int) -> AttentionMetadata:
-        return AttentionMetadata.for_decode(
+    def _static_attn(self, bucket: int, k: int) -> AttentionMetadata:
+        args = dict(
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
-            slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc[: bucket + 1],
+            slot_mapping=self.slot_mapping[: bucket * k],
+            query_start_loc=self._query_start_loc[k][: bucket + 1],
             block_size=self.block_size,
         )
+        if k == 1:
+            return AttentionMetadata.for_decode(**args)
+        return AttentionMetadata.for_verify(**args, tokens_per_seq=k)
 
-    def _capture(self, bucket: int) -> tuple[Callable[[], None], torch.Tensor]:
-        self.slot_mapping[:bucket].fill_(-1)  # warm-up and capture run on padding rows only
+    def _capture(self, bucket: int, k: int = 1) -> tuple[Callable[[], None], torch.Tensor]:
+        rows = bucket * k
+        self.slot_mapping[:rows].fill_(-1)  # warm-up and capture run on padding rows only
         self.seq_lens[:bucket].fill_(0)
-        attn = self._static_attn(bucket)
-        ids, pos = self.input_ids[:bucket], self.positions[:bucket]
+        attn = self._static_attn(bucket, k)
+        ids, pos = self.input_ids[:rows], self.positions[:rows]
         graph = self.backend.capture(lambda: self.forward(ids, pos, attn))
-        self._graphs[bucket] = graph
+        self._graphs[bucket, k] = graph
         return graph
+
+    # ---- steps from host data ------------------------------------------------------------
+    def _stage_tables(self, block_ids: Sequence[list[int]]) -> tuple[int, int]:
+        """Write the block-table rows that changed into the host mirror: (first, last) row
+        rewritten (last < first: none)."""
+        mb = self.max_blocks
+        rows, table = self._rows, self._host_block_tables
+        first, last = len(block_ids), -1
+        for i, blocks in enumerate(block_ids):
+            known, written = rows[i]
+            width = min(len(blocks), mb)
+            if known is not blocks:
+                table[i, :width] = blocks[:width]
+            elif width > written:
+                table[i, written:width] = blocks[written:width]
+            else:
+                continue
+            rows[i] = (blocks, width)
+            first, last = min(first, i), i
+        return first, last
+
+    def _send(self, first: int, last: int) -> None:
+        """Copy the host mirror to the device: everything but the tables (a few KB), then the
+        table rows first .. last."""
+        head = self._table_offset
+        self._device_bytes[:head].copy_(self._host_bytes[:head], non_blocking=True)
+        if last >= first:
+            row = self.table_width * 4
+            start, end = head + first * row, head + (last + 1) * row
+            self._device_bytes[start:end].copy_(self._host_bytes[start:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+
+    def _prepare(self, bucket: int, k: int) -> None:
+        """Capture the graph if new; wait until the host mirror may be rewritten."""
+        if (bucket, k) not in self._graphs:
+            self._capture(bucket, k)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host mirror
 
     @torch.inference_mode()
     def run_decode(
@@ -189,42 +312,72 @@ class DecodeGraphs:
         of a static buffer, valid until the next run."""
         n = len(token_ids)
         bucket = self.bucket_for(n)
-        if bucket not in self._graphs:
-            self._capture(bucket)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host mirror
-        bs, mb = self.block_size, self.max_blocks
-        slots = []
-        rows, table = self._rows, self._host_block_tables
-        first, last = n, -1  # block-table rows rewritten on the host
-        for i, (p, blocks) in enumerate(zip(positions, block_ids, strict=True)):
-            slots.append(blocks[p // bs] * bs + p % bs)
-            known, written = rows[i]
-            width = min(len(blocks), mb)
-            if known is not blocks:
-                table[i, :width] = blocks[:width]
-            elif width > written:
-                table[i, written:width] = blocks[written:width]
-            else:
-                continue
-            rows[i] = (blocks, width)
-            first, last = min(first, i), i
+        self._prepare(bucket, 1)
+        bs = self.block_size
+        slots = [b[p // bs] * bs + p % bs for p, b in zip(positions, block_ids, strict=True)]
+        first, last = self._stage_tables(block_ids)
         self._host_input_ids[:n] = token_ids
         self._host_positions[:n] = positions
         self._host_slot_mapping[:n] = slots
         self._host_slot_mapping[n:bucket] = -1  # padding rows: no KV write, no attention
         self._host_seq_lens[:n] = self._host_positions[:n] + 1
         self._host_seq_lens[n:bucket] = 0
-        # Everything but the tables (a few hundred bytes), then the table rows that changed.
-        head = self._table_offset
-        self._device_bytes[:head].copy_(self._host_bytes[:head], non_blocking=True)
-        if last >= first:
-            start, end = head + first * mb * 4, head + (last + 1) * mb * 4
-            self._device_bytes[start:end].copy_(self._host_bytes[start:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        self._send(first, last)
         return self.replay(bucket)[:n]
 
+    @torch.inference_mode()
+    def run_verify(
+        self,
+        token_ids: Sequence[int],
+        draft_token_ids: Sequence[Sequence[int]],
+        positions: Sequence[int],
+        block_ids: Sequence[list[int]],
+    ) -> torch.Tensor:
+        """Logits [R, V] of one verify step from host data: per sequence its last sampled
+        token at `positions[i]`, then its drafts at the positions after it, and its block
+        table (covering them all). R = sum of (drafts + 1): per sequence its token's row, then
+        one per draft, as `ModelRunner.verify` takes them. Writes the K/V of every fed token
+        like the eager forward. ValueError when no verify graph fits the step."""
+        n = len(token_ids)
+        key = self.graph_for(n, max(len(d) for d in draft_token_ids) + 1)
+        if key is None or key[1] == 1:
+            raise ValueError(f"no verify graph for {n} sequences with drafts {draft_token_ids}")
+        bucket, k = key
+        self._prepare(bucket, k)
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        seq_lens: list[int] = []
+        for i, (t, drafts, start, blocks) in enumerate(
+            zip(token_ids, draft_token_ids, positions, block_ids, strict=True)
+        ):
+            pad = k - 1 - len(drafts)
+            end = start + len(drafts) + 1  # real tokens at start .. end - 1
+            ids.append(t)
+            ids += drafts
+            ids += [ids[-1]] * pad  # pad rows repeat the last real token and position
+            pos += range(start, end)
+            pos += [end - 1] * pad
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [-1] * pad
+            rows += range(i * k, i * k + k - pad)
+            seq_lens.append(start + k)  # the new tokens are the last k of seq_lens
+        first, last = self._stage_tables(block_ids)
+        used = n * k
+        self._host_input_ids[:used] = ids
+        self._host_positions[:used] = pos
+        self._host_slot_mapping[:used] = slots
+        self._host_slot_mapping[used : bucket * k] = -1  # padding sequences: no KV write
+        self._host_sample_rows[: len(rows)] = rows
+        self._host_seq_lens[:n] = seq_lens
+        self._host_seq_lens[n:bucket] = 0  # padding sequences: no attention
+        self._send(first, last)
+        logits = self.replay(bucket, k)  # [bucket * k, V]
+        return logits.index_select(0, self.sample_rows[: len(rows)])  # [R, V]
+
+    # ---- steps from tensors --------------------------------------------------------------
     @torch.inference_mode()
     def run(
         self,
@@ -240,9 +393,9 @@ class DecodeGraphs:
         a static buffer, valid until the next run."""
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        if bucket not in self._graphs:
+        if (bucket, 1) not in self._graphs:
             self._capture(bucket)
-        self._rows = [(None, 0)] * self.max_batch  # the device tables no longer mirror the host
+        self._rows = [(None, 0)] * self.max_seqs  # the device tables no longer mirror the host
         width = min(block_tables.shape[1], self.max_blocks)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -254,11 +407,12 @@ class DecodeGraphs:
             self.seq_lens[n:bucket].fill_(0)
         return self.replay(bucket)[:n]
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        """Replay bucket's graph on whatever its static buffers hold, returning all `bucket`
-        rows of logits. The runs call it after copying their inputs in; on its own (the last
-        step's inputs: it rewrites the same K/V) it times the graph alone."""
-        replay, logits = self._graphs[bucket]
+    def replay(self, bucket: int, tokens: int = 1) -> torch.Tensor:
+        """Replay the graph of (bucket, tokens per sequence) on whatever its static buffers
+        hold, returning all bucket * tokens rows of logits. The runs call it after copying
+        their inputs in; on its own (the last step's inputs: it rewrites the same K/V) it times
+        the graph alone."""
+        replay, logits = self._graphs[bucket, tokens]
         replay()
         return logits
 
@@ -268,16 +422,26 @@ def decode_graphs_for(
     kv: PagedKVCache,
     block_size: int,
     buckets: Sequence[int] = BUCKETS,
+    verify_buckets: Sequence[int] = VERIFY_BUCKETS,
+    verify_tokens: Sequence[int] = VERIFY_TOKENS,
 ) -> DecodeGraphs | None:
-    """Decode graphs over `model` and its KV pool, or None where the model cannot be captured
-    (`CausalLM.supports_cuda_graphs`: not CUDA, no triton, streamed experts, ...). Each graph
-    computes the forward and the output head: logits [B, V] float32."""
+    """Decode and verify graphs over `model` and its KV pool, or None where the model cannot
+    be captured (`CausalLM.supports_cuda_graphs`: not CUDA, no triton, streamed experts, ...).
+    Each graph computes the forward and the output head: logits [B * K, V] float32."""
     if not model.supports_cuda_graphs:
         return None
     context_blocks = -(-model.config.context_length // block_size)
     max_blocks = min(context_blocks, kv.num_blocks)
 
     def forward(ids: torch.Tensor, pos: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        return model.compute_logits(model.forward(ids, pos, attn, kv))  # [B, V]
+        return model.compute_logits(model.forward(ids, pos, attn, kv))  # [B * K, V]
 
-    return DecodeGraphs(forward, block_size, max_blocks, model.device, buckets)
+    return DecodeGraphs(
+        forward,
+        block_size,
+        max_blocks,
+        model.device,
+        buckets,
+        verify_buckets=verify_buckets,
+        verify_tokens=verify_tokens,
+    )

@@ -148,5 +148,6 @@ def build_step_inputs(plan: StepPlan, block_size: int, device: torch.device) -> 
         seq_lens_cpu=seq_lens,
         block_size=bs,
         is_decode=len(tokens) == len(reqs),
+        max_query_len=max(query_lens),
     )
     return StepInputs(ids_t, pos_t, attn, rows_t, sampled)

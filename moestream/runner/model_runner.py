@@ -13,6 +13,8 @@ and the drafts, and gets k + 1 logits rows instead of one; `sample_with_drafts` 
 (`spec.verify`) next to the plain decodes of the same step. K/V of rejected drafts stay in the
 pool past the request's `num_computed_tokens`; nothing reads them (a query at position p reads
 positions 0..p, all written by this or earlier steps) and the next step overwrites them.
+A step of decodes and verifications runs as a CUDA graph where one holds it
+(runner/cuda_graph.py: a decode graph without drafts, a verify graph with), others eagerly.
 """
 
 from __future__ import annotations
@@ -102,37 +104,44 @@ class ModelRunner:
         self.sampler = Sampler()
         self.reader = HostReader(device)
         self.logits_processor: LogitsProcessor | None = None
-        # Pure decode steps as CUDA graphs (runner/cuda_graph.py); None: always eager.
+        # Decode and verify steps as CUDA graphs (runner/cuda_graph.py); None: always eager.
         self.graphs = None if enforce_eager else decode_graphs_for(model, kv, block_size)
+        # (bucket, tokens per sequence) of the graph the last `execute` replayed; None: eager.
+        self.last_step_graph: tuple[int, int] | None = None
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""
         return build_step_inputs(plan, self.block_size, self.device)
 
-    def _graph_step(self, reqs: list[ScheduledRequest]) -> bool:
-        """Whether the decode graphs can run this step: every request feeds one token, has no
-        drafts and is sampled, and they are at most the largest bucket."""
+    def _graph_step(self, reqs: list[ScheduledRequest]) -> tuple[int, int] | None:
+        """The graph (bucket, tokens per sequence) that can run this step, or None: every
+        request feeds its one last token plus its drafts and is sampled, and a decode graph
+        (no drafts) or a verify graph (K >= the most drafts + 1) holds them."""
         graphs = self.graphs
-        return (
-            graphs is not None
-            and len(reqs) <= graphs.max_batch
-            and all(s.sample and len(s.token_ids) == 1 and not s.draft_token_ids for s in reqs)
-        )
+        if graphs is None or not all(s.sample and len(s.token_ids) == 1 for s in reqs):
+            return None
+        return graphs.graph_for(len(reqs), max(len(s.draft_token_ids) for s in reqs) + 1)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run one step: forward over every fed token, then one sampled token per request whose
         fed tokens reach its end (after its accepted drafts, for a request with drafts)."""
+        self.last_step_graph = None
         if plan.is_empty:
             return RunnerOutput()
         reqs = plan.scheduled
-        if self.graphs is not None and self._graph_step(reqs):
-            logits = self.graphs.run_decode(
-                [s.token_ids[0] for s in reqs],
-                [s.start_pos for s in reqs],
-                [s.block_ids for s in reqs],
-            )  # [B, V] float32
-            return self.sample(logits, reqs)
+        graph = self._graph_step(reqs)
+        if graph is not None and self.graphs is not None:
+            self.last_step_graph = graph
+            tokens = [s.token_ids[0] for s in reqs]
+            starts = [s.start_pos for s in reqs]
+            blocks = [s.block_ids for s in reqs]
+            if graph[1] == 1:
+                logits = self.graphs.run_decode(tokens, starts, blocks)  # [B, V] float32
+                return self.sample(logits, reqs)
+            drafts = [s.draft_token_ids for s in reqs]
+            logits = self.graphs.run_verify(tokens, drafts, starts, blocks)  # [R, V] float32
+            return self.sample_with_drafts(logits, reqs)
         batch = self.prepare(plan)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H]
         if not batch.sampled:

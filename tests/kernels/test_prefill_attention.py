@@ -61,12 +61,13 @@ def test_matches_reference_float32(n, g, d, block_size):
 
 
 def test_query_result_does_not_depend_on_chunking_or_neighbours():
-    """A prompt prefilled whole, in chunks, or beside another sequence: the same bits for each
+    """A prompt prefilled whole, in chunks, or beside another sequence, and its last token as a
+    one-token step (what batch-invariant mode runs decode steps as): the same bits for each
     token (tiles start at position 0 and masked tiles change nothing)."""
     q, k, v, attn = case(8, 2, 32, 8, [(0, 40), (0, 13)], torch.float32, seed=5)
     both = run(q, k, v, attn, 0.2)
     blocks = attn.block_tables[0].tolist()
-    for cut in (17, 33):  # the same first sequence as two chunks, the second one alone
+    for cut in (17, 33, 39):  # the first sequence's tail as its own chunk (39: one token)
         rows = [(cut, 40 - cut, blocks)]
         part = AttentionMetadata.build(rows, 8, DEVICE)
         alone = run(q[cut:40].contiguous(), k, v, part, 0.2)

@@ -156,14 +156,20 @@ def test_run_decode_from_host_lists_matches_eager():
 
 
 def test_static_inputs_are_aligned_views_of_one_buffer():
+    """Rows for the largest graph (decode 5 x 1, verify 2 x 6 = 12), sequences for the larger
+    batch, table columns for 7 blocks plus the 5 positions verify pad rows reach past them."""
     backend = RecomputeBackend()
-    graphs = DecodeGraphs(FakeModel().forward, BS, 7, "cpu", buckets=(1, 3, 5), backend=backend)
+    graphs = DecodeGraphs(
+        FakeModel().forward, BS, 7, "cpu", buckets=(1, 3, 5), backend=backend,
+        verify_buckets=(1, 2), verify_tokens=(2, 6),
+    )  # fmt: skip
     fields = {
-        "input_ids": (torch.int64, (5,)),
-        "positions": (torch.int64, (5,)),
-        "slot_mapping": (torch.int64, (5,)),
+        "input_ids": (torch.int64, (12,)),
+        "positions": (torch.int64, (12,)),
+        "slot_mapping": (torch.int64, (12,)),
+        "sample_rows": (torch.int64, (12,)),
         "seq_lens": (torch.int32, (5,)),
-        "block_tables": (torch.int32, (5, 7)),
+        "block_tables": (torch.int32, (5, 9)),
     }
     storage = graphs.input_ids.untyped_storage().data_ptr()
     for name, (dtype, shape) in fields.items():
@@ -359,3 +365,70 @@ def test_replayed_logits_equal_eager_logits(tiny_gguf):
     # reports it); required: the same argmax and differences within bf16 rounding.
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
     assert (replayed - eager).abs().max() <= 0.02 * eager.abs().max()
+
+
+@pytest.mark.gpu
+@gpu
+def test_verify_replay_matches_eager(tiny_gguf):
+    """One verify step (drafts 0, 1, 3, 2: K = 4, bucket 4) through DecodeGraphs.run_verify
+    against the eager forward on the same KV cache contents: the same argmax and logits within
+    bf16 rounding (the row counts differ: 10 eager, 16 in the graph; without --deterministic a
+    matmul may pick other tiles), and the same K/V written."""
+    from moestream.models.registry import build_model
+    from moestream.weights.loader import open_model
+
+    model = build_model(open_model(tiny_gguf), "cuda", torch.bfloat16)
+    kv = model.make_kv_cache(64, 16)
+    graphs = decode_graphs_for(model, kv, 16)
+    assert graphs is not None
+    lens, drafts = [5, 40, 17, 31], [[], [7], [8, 9, 10], [11, 12]]  # cached, then fed
+    tables = [[4 * i + j for j in range(4)] for i in range(4)]
+    prefill = AttentionMetadata.build([(0, n, tables[i]) for i, n in enumerate(lens)], 16, "cuda")
+    ids = torch.randint(5, 4000, (sum(lens),), device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+    last = [int(t) for t in torch.randint(5, 4000, (4,))]
+    with torch.inference_mode():
+        model.forward(ids, pos, prefill, kv)
+        step = AttentionMetadata.build(
+            [(n, len(d) + 1, tables[i]) for i, (n, d) in enumerate(zip(lens, drafts))], 16, "cuda"
+        )
+        new_ids = torch.tensor([t for t, d in zip(last, drafts) for t in [t, *d]], device="cuda")
+        new_pos = torch.tensor(
+            [p for n, d in zip(lens, drafts) for p in range(n, n + len(d) + 1)], device="cuda"
+        )
+        k_saved, v_saved = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+        eager = model.compute_logits(model.forward(new_ids, new_pos, step, kv))  # [10, V]
+        k_eager, v_eager = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+        for i in range(len(kv.k)):
+            kv.k[i].copy_(k_saved[i])
+            kv.v[i].copy_(v_saved[i])
+        replayed = graphs.run_verify(last, drafts, lens, tables)
+    assert graphs.captured_verify == ((4, 4),)
+    assert replayed.shape == eager.shape
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    assert (replayed - eager).abs().max() <= 0.02 * eager.abs().max()
+    for i in range(len(kv.k)):
+        torch.testing.assert_close(kv.k[i], k_eager[i], rtol=0.02, atol=0.02)
+        torch.testing.assert_close(kv.v[i], v_eager[i], rtol=0.02, atol=0.02)
+
+
+@pytest.mark.gpu
+@gpu
+def test_engine_verify_graphs_match_eager(tiny_gguf):
+    """Speculative greedy decode (n-gram drafts every step) on a copy-heavy prompt, in
+    batch-invariant mode (--deterministic: every row's bits independent of the batch, so the
+    padded graph rows cannot change them): the same tokens with verify graphs as eager, and
+    the verify graphs ran."""
+    from moestream import LLM
+    from moestream.spec.base import SpecConfig
+
+    spec = SpecConfig(mode="ngram", max_k=7, always=True)
+    kw = dict(device="cuda", kv_cache_gib=0.25, enable_prefix_caching=False, deterministic=True)
+    graph_llm = LLM(tiny_gguf, speculative=spec, **kw)
+    eager_llm = LLM(tiny_gguf, speculative=spec, enforce_eager=True, **kw)
+    unit = [(11 * j) % 4000 + 5 for j in range(12)]
+    prompts = [unit * 6, (unit[3:] + unit[:3]) * 5, [9, 10, 11] * 10]
+    got = _greedy(graph_llm, prompts, 40)
+    assert got == _greedy(eager_llm, prompts, 40)
+    assert graph_llm.engine.runner.graphs.captured_verify
+    assert graph_llm.engine.spec_stats()["total"]["draft_tokens"] > 0
