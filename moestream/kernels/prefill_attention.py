@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.paged_attention import attend_tile
+
 _LOG2E = 1.4426950408889634
 
 
@@ -72,60 +74,20 @@ def _prefill_kernel(
     if WHILE_LOOP:  # the interpreter cannot range() over loaded values
         t0 = end * 0
         while t0 < end:
-            m_i, l_i, acc = _causal_tile(
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, True,
             )  # fmt: skip
             t0 += BLOCK_N
     else:
         for t0 in range(0, end, BLOCK_N):
-            m_i, l_i, acc = _causal_tile(
+            m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, True,
             )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _causal_tile(
-    q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-    stride_kb, stride_kt, stride_vb, stride_vt,
-    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step over context tokens t0 .. t0 + BLOCK_N - 1 (those < end), each
-    row seeing the keys at positions <= its own."""
-    t = t0 + tl.arange(0, BLOCK_N)
-    t_ok = t < end
-    block = tl.load(bt_row + t // KV_BLOCK, mask=t_ok, other=0).to(tl.int64)
-    offset = t % KV_BLOCK
-    kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = tl.load(
-        k_base + block[:, None] * stride_kb + offset[:, None] * stride_kt + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # [BLOCK_N, D_PAD]
-    if DOT_F32:
-        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q.to(k.dtype), tl.trans(k))  # [BLOCK_M, BLOCK_N] float32
-    visible = t_ok[None, :] & (t[None, :] <= pos[:, None])
-    s = tl.where(visible, s * scale_log2e, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    v = tl.load(
-        v_base + block[:, None] * stride_vb + offset[:, None] * stride_vt + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # [BLOCK_N, D_PAD]
-    if DOT_F32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
 def check_prefill_args(
