@@ -24,7 +24,7 @@ synth() {
 synth_gguf('$1', 'Q4_K_M', '/tmp/$2.gguf', progress=False)"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-[[ -f COMMIT ]] && echo "commit $(cat COMMIT)"
+[[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
   check)
     python3 -m pytest tests/kernels tests/runner tests/experts tests/engine -q -p no:cacheprovider \

@@ -77,9 +77,15 @@ def gpu_info(device: torch.device) -> dict[str, Any] | None:
 def git_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Commit and dirty flag of the checkout holding `path` (default: this package).
 
-    Fields are null when `path` is not in a git checkout or git is missing.
+    Fields are null when `path` is not in a git checkout or git is missing. A copy of a tree
+    without its own history (a benchmark machine given the files alone) can say which commit it
+    is in the environment variable MOESTREAM_COMMIT; that wins (with `dirty` null), since
+    the git found above such a copy may be an unrelated one.
     """
     where = Path(path) if path is not None else Path(__file__).resolve().parents[2]
+    stated = os.environ.get("MOESTREAM_COMMIT")
+    if stated:
+        return {"path": str(where), "commit": stated, "dirty": None}
 
     def git(*args: str) -> str | None:
         try:

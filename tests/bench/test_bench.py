@@ -384,3 +384,8 @@ def test_bench_concurrency_sweep(tmp_path: Path) -> None:
         assert s["aggregate_tok_s"] > 0 and s["decode_s"] > 0
         assert abs(s["per_request_tok_s"] * r["concurrency"] - s["aggregate_tok_s"]) < 1e-6
     assert "## concurrency" in (out / "result.md").read_text()
+
+
+def test_git_info_takes_a_stated_commit(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MOESTREAM_COMMIT", "0c53846")
+    assert git_info(tmp_path) == {"path": str(tmp_path), "commit": "0c53846", "dirty": None}
