@@ -135,6 +135,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="which experts stay in device slots: frequency over a window of recent tokens, "
         "least recently used, or least frequently used",
     )
+    e.add_argument(
+        "--expert-zero-copy",
+        action="store_true",
+        help="fixed placement instead of streaming: the experts that fit "
+        "--gpu-expert-cache-gib stay on the device, the rest in pinned host memory (it must fit "
+        "--host-expert-cache-gib) that the GPU kernels read directly; no host sync per layer, "
+        "CUDA graphs stay on",
+    )
 
 
 def _budget_args(g) -> None:
@@ -282,6 +290,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": not args.no_prefix_caching,
         "enforce_eager": args.enforce_eager,
         "deterministic": args.deterministic,
+        "expert_zero_copy": args.expert_zero_copy,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
         "host_expert_cache_gib": args.host_expert_cache_gib,

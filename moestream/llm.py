@@ -26,6 +26,7 @@ from moestream.experts import (
     build_expert_store,
     defer_expert_tensors,
 )
+from moestream.experts.zero_copy import ZeroCopyExperts, attach_zero_copy
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
 from moestream.runner.model_runner import TokenLogprobs
@@ -116,7 +117,10 @@ class LLM:
     captured runs pure decode steps and verification steps (drafted tokens) as CUDA graphs (one
     per batch-size bucket and tokens per request, captured on first use). `deterministic` makes
     the GPU kernels batch-invariant (`kernels.ops`: a request's greedy text cannot depend on
-    what runs beside it), at a cost in prefill speed.
+    what runs beside it), at a cost in prefill speed. `expert_zero_copy` (with
+    `gpu_expert_cache_gib`) places experts once instead of streaming them: those that fit the
+    device budget on the device, the rest in pinned host memory the GPU reads in place
+    (`experts.zero_copy`).
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class LLM:
         num_speculative_tokens: int | None = None,
         enforce_eager: bool = False,
         deterministic: bool = False,
+        expert_zero_copy: bool = False,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
@@ -160,7 +165,16 @@ class LLM:
         self.tokenizer = self.source.tokenizer()
         self.expert_store = None
         budgets = ExpertBudgets(gpu_expert_cache_gib, host_expert_cache_gib)
-        if budgets.streaming:
+        self.zero_copy: list[ZeroCopyExperts] = []
+        if expert_zero_copy and not budgets.streaming:
+            raise RequestError("expert_zero_copy needs gpu_expert_cache_gib")
+        if expert_zero_copy:
+            # Fixed placement: device slots and pinned host memory, read in place (no streaming).
+            self.model = build_model(defer_expert_tensors(self.source), self.device, act)
+            self.zero_copy = attach_zero_copy(
+                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib
+            )
+        elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.
             self.expert_store = build_expert_store(
                 self.source, self.config, budgets, self.device, policy=expert_policy

@@ -97,21 +97,32 @@ def _down_gemv_kernel(
 
 @triton.jit
 def _gate_up_mmvq_kernel(
-    xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr,
-    stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr, addr_ptr,
+    E_ADDR, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
-    TOPK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (assignment a, block of 32 F rows): gate and up rows against token a // TOPK's
-    quantized activations, h = silu(g) * u, written quantized (one 32-value q8 block)."""
+    quantized activations, h = silu(g) * u, written quantized (one 32-value q8 block). Expert
+    e's weights are at slot expert_slot[e] of the stacks, or with ADDR at the byte addresses
+    addr[0, e] (gate) and addr[1, e] (up) of an [3, E_ADDR] int64 table (device or mapped
+    host memory)."""
     a = tl.program_id(0)
     blk = tl.program_id(1)
     n = (blk * 32 + tl.arange(0, 32)).to(tl.int64)  # F is a multiple of 256: no tail
-    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    eid = tl.load(ids_ptr + a)
+    if ADDR:
+        # 16-byte aligned (the caller's contract): lets the weight loads stay vectorized
+        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
+        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
+    else:
+        slot = tl.load(slot_ptr + eid).to(tl.int64)
+        g_base = g_ptr + slot * stride_ge
+        u_base = u_ptr + slot * stride_ue
     t = (a // TOPK).to(tl.int64)
     xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
-    g_rows = g_ptr + slot * stride_ge + n * stride_gn  # [32]
-    u_rows = u_ptr + slot * stride_ue + n * stride_un
+    g_rows = g_base + n * stride_gn  # [32]
+    u_rows = u_base + n * stride_un
     g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QG, 32, 1, G, ASM)  # [1, 32]
     u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, 0, H_GROUPS, QU, 32, 1, G, ASM)
     h = g * tl.sigmoid(g) * u  # [1, 32]
@@ -129,14 +140,15 @@ def _gate_up_mmvq_kernel(
 
 @triton.jit
 def _down_mmvq_kernel(
-    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr,
-    H, stride_de, stride_dn, stride_ot,
+    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr, addr_ptr,
+    E_ADDR, H, stride_de, stride_dn, stride_ot,
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, G: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
     The token's k experts are a tensor dimension beside the groups (all their loads in flight
-    at once); the routing weight scales each expert's block scales; one `tree_sum`."""
+    at once); the routing weight scales each expert's block scales; one `tree_sum`. With ADDR
+    expert e's down weight is at byte address addr[2, e]."""
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
     R: tl.constexpr = K_BLOCK * SUB * G
     t = tl.program_id(0).to(tl.int64)
@@ -146,9 +158,14 @@ def _down_mmvq_kernel(
     j = e // (SUB * G)
     r = e % (SUB * G)
     a = t * TOPK + tl.minimum(j, TOPK - 1)  # [1, 1, R, 1] assignment
-    slot = tl.load(slot_ptr + tl.load(ids_ptr + a)).to(tl.int64)
+    eid = tl.load(ids_ptr + a)
+    if ADDR:
+        d_base = tl.multiple_of(tl.load(addr_ptr + 2 * E_ADDR + eid), [16, 16, 16, 16])
+        d_base = d_base.to(tl.pointer_type(tl.uint8))
+    else:
+        d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
     wt = tl.load(weights_ptr + a).to(tl.float32)
-    rows = d_ptr + slot * stride_de + nc * stride_dn  # [1, BN, R, 1]
+    rows = d_base + nc * stride_dn  # [1, BN, R, 1]
     xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
     y = tl.zeros([1, BLOCK_N], tl.float32)
     for i in range(0, F // 256, G):  # no 4-D tile carried across steps (see `mmvq_rows`)
@@ -376,6 +393,7 @@ def fused_moe(
     method: str | None = None,
     block_n: int | None = None,
     mmvq_cfg: MoeMmvqConfig | None = None,
+    expert_addr: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton MoE FFN: same contract as `ops.moe_forward_ref`, -> [T, H] in x's dtype.
 
@@ -384,8 +402,23 @@ def fused_moe(
     checked on the device: a bad slot reads out of bounds). `out`, when given, is a [T, H]
     tensor of x's dtype with unit last stride. `method` ("mmvq", "gemv" or "gemm") and `block_n`
     (a power of two; at least 16 for "gemm") override the heuristics (`default_method`).
+
+    `expert_addr` [3, E] int64 (contiguous, on x's device), when given, replaces the stacks'
+    slots: row e holds the byte addresses of expert e's gate, up and down weights (each laid
+    out as one slot of `gate`/`up`/`down`, which then only give types, shapes and row strides),
+    in device memory or in pinned host memory the GPU reads directly (mapped under unified
+    addressing), each 16-byte aligned (not checked here: that would need a sync). It needs the
+    "mmvq" path; `expert_slot` is then not read.
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+    if expert_addr is not None and (
+        expert_addr.dtype != torch.int64
+        or expert_addr.dim() != 2
+        or expert_addr.shape[0] != 3
+        or not expert_addr.is_contiguous()
+        or expert_addr.device != x.device
+    ):
+        raise ValueError("expert_addr must be a contiguous int64 [3, E] on x's device")
     t, h = x.shape
     k = topk_ids.shape[1]
     f = gate.shape[1]
@@ -409,22 +442,27 @@ def fused_moe(
         hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
         hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
         hs = torch.empty_like(hd)
+        use_addr = expert_addr is not None
+        addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
+        n_addr = expert_addr.shape[1] if use_addr else 0
         _gate_up_mmvq_kernel[(a, f // 32)](
-            xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs,
-            xa.q.stride(0), xa.d.stride(0), *strides,
+            xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs, addr,
+            n_addr, xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
-            G=min(cfg.up_groups, triton.next_power_of_2(h // 256)), ASM=asm,
+            G=min(cfg.up_groups, triton.next_power_of_2(h // 256)), ADDR=use_addr, ASM=asm,
             num_warps=cfg.up_warps,
         )  # fmt: skip
         _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
-            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, out,
-            h, down.data.stride(0), down.data.stride(1), out.stride(0),
+            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, out, addr,
+            n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
             QD=int(down.qtype), F=f, TOPK=k, K_BLOCK=triton.next_power_of_2(k),
             BLOCK_N=cfg.down_block_n,
-            G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), ASM=asm,
+            G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), ADDR=use_addr, ASM=asm,
             num_warps=cfg.down_warps,
         )  # fmt: skip
         return out
+    if expert_addr is not None:
+        raise ValueError("expert_addr needs the mmvq path (at most 256 assignments)")
     if method == "gemv":
         block_n = block_n or 16
         hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]

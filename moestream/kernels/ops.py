@@ -230,6 +230,46 @@ def moe_forward(
     return fused_moe(x, ids, weights, gate, up, down, slot)
 
 
+def moe_forward_addr(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_addr: torch.Tensor,
+) -> torch.Tensor:
+    """The fused MoE with expert weights found by byte address (`experts.zero_copy`): gate, up
+    [1, F, H] and down [1, H, F] give types and shapes, expert_addr [3, E] int64 the bytes of
+    each expert. CUDA kernel path only ("mmvq", in chunks of at most MMVQ_MAX_ASSIGNMENTS
+    assignments; a token's result does not depend on its chunk)."""
+    from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, fused_moe
+
+    if not (moe_kernel_path(x, gate, up, down) and all(
+        w.qtype in MMVQ_QTYPES for w in (gate, up, down)
+    )):  # fmt: skip
+        raise ValueError("address-table experts need the CUDA integer-dot MoE kernel")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    unused = torch.zeros(expert_addr.shape[1], dtype=torch.int32, device=x.device)
+    rows = max(1, MMVQ_MAX_ASSIGNMENTS // ids.shape[1])
+    parts = [
+        fused_moe(
+            x[i : i + rows],
+            ids[i : i + rows],
+            weights[i : i + rows],
+            gate,
+            up,
+            down,
+            unused,
+            method="mmvq",
+            expert_addr=expert_addr,
+        )  # fmt: skip
+        for i in range(0, x.shape[0], rows)
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def invariant_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -163,7 +163,13 @@ class SparseMoE:
         provider's slots, and the table maps them): one `ops.moe_forward` over the provider's
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
         resident (the provider's own table; no host sync), else the per-expert path."""
-        if expert_slot is None and fused_moe_path(x) and self.resident:
+        addr = getattr(self.experts, "expert_addr", None)  # zero-copy placement
+        if addr is not None:
+            self.experts.count(ids)  # type: ignore[attr-defined]
+            if fused_moe_path(x):
+                gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
+                return ops.moe_forward_addr(x, ids, weights, gate, up, down, addr)
+        elif expert_slot is None and fused_moe_path(x) and self.resident:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:
             gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]

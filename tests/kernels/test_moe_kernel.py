@@ -223,3 +223,25 @@ def test_fused_moe_rejects_bad_arguments(experts):
         fused_moe(x, ids.float(), weights, gate, up, down, slot)
     with pytest.raises(ValueError, match="method"):
         fused_moe(x, ids, weights, gate, up, down, slot, method="dense")
+
+
+def test_fused_moe_mmvq_reads_experts_through_an_address_table(experts):
+    """Expert weights found by byte address (copies outside the stacks, as pinned host memory
+    would hold them) give the same bits as the stacked slots."""
+    gate, up, down = experts
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(11)).to(DEVICE, torch.bfloat16)
+    ids, weights = routing(2, 2, RESIDENT, seed=12)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ref = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq")
+    copies = [
+        [w.data[s].clone() if s >= 0 else w.data[0].clone() for s in SLOT] for w in (gate, up, down)
+    ]  # per kind, per expert: its bytes in a buffer of its own
+    addr = torch.tensor(
+        [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
+    )  # [3, E]
+    out = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq", expert_addr=addr)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="mmvq path"):
+        fused_moe(x, ids, weights, gate, up, down, slot, method="gemm", expert_addr=addr)
+    with pytest.raises(ValueError, match="int64"):
+        fused_moe(x, ids, weights, gate, up, down, slot, expert_addr=addr.int())

@@ -1,0 +1,148 @@
+"""Zero-copy expert placement: some experts of each layer in device memory, the rest in pinned
+host memory that the GPU reads directly, both found through one device-side address table.
+
+The streamed path (`prefetch.StreamedMoE`) reads each layer's routing on the host, copies the
+missing experts into device slots and then runs the layer: one host synchronisation per layer,
+and steps that cannot be captured in a CUDA graph. Here nothing moves at run time: the fused
+MoE kernel's "mmvq" path reads expert e's bytes at `expert_addr[:, e]` (`kernels.moe.fused_moe`),
+a device address for the experts placed on the device and a host address for the others
+(pinned host memory is mapped into the GPU's address space under unified addressing, so a
+kernel load from it crosses the host link). A step makes no host synchronisation and replays
+as a CUDA graph; the price of a host-placed expert is its bytes over the host link on every use.
+
+Placement is fixed at build: the first `n_device` experts of every layer by id (no promotion
+yet: with random weights routing is near-uniform, where any fixed choice is as good; for real
+models a frequency-based choice from a warm-up is the next step). Off CUDA (tests), both tiers
+are ordinary memory and the layer takes the per-expert reference path through `weights(e)`.
+
+Counters: reads of device-placed and host-placed experts per layer, kept on the device (no
+sync) and read by `read_counts()`.
+
+Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moestream.errors import CapacityError, UnsupportedError
+from moestream.weights.qtensor import QTensor
+
+
+class ZeroCopyExperts:
+    """The `ExpertProvider` of one layer under zero-copy placement (module docstring)."""
+
+    def __init__(
+        self,
+        stacks: Sequence[QTensor],
+        n_device: int,
+        device: torch.device | str,
+    ):
+        gate, up, down = stacks  # [E, F, H], [E, F, H], [E, H, F] (host, file layout)
+        e = gate.shape[0]
+        if not 0 <= n_device <= e:
+            raise ValueError(f"n_device {n_device} not in [0, {e}]")
+        self.device = torch.device(device)
+        self.n_device = n_device
+        cuda = self.device.type == "cuda"
+        self._dev: list[QTensor] = []
+        self._host: list[QTensor] = []
+        for w in (gate, up, down):
+            dev = w.data[:n_device].to(self.device)  # [S_d, rows, row_bytes]
+            host = torch.empty(
+                (e - n_device, *w.data.shape[1:]), dtype=w.data.dtype, pin_memory=cuda
+            )  # [S_h, rows, row_bytes]
+            host.copy_(w.data[n_device:])
+            self._dev.append(QTensor(dev, w.qtype, (n_device, *w.shape[1:])))
+            self._host.append(QTensor(host, w.qtype, (e - n_device, *w.shape[1:])))
+        addr = [
+            [self._slot_data(k, i).data_ptr() for i in range(e)] for k in range(3)
+        ]  # [3, E] byte addresses
+        if any(a % 16 for row in addr for a in row):  # the kernel's contract
+            raise UnsupportedError("expert byte sizes are not multiples of 16: no zero-copy")
+        self.expert_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
+        self.on_device = torch.arange(e, device=self.device) < n_device  # [E] bool
+        self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)  # device, host
+        # Types, shapes and row strides for the kernel (a slot of each stack: S = 1).
+        self.templates = tuple(
+            QTensor(self._slot_data(k, 0).unsqueeze(0), w.qtype, (1, *w.shape[1:]))
+            for k, w in enumerate((gate, up, down))
+        )
+        self._views = [
+            tuple(
+                QTensor(self._slot_data(k, i), w.qtype, tuple(w.shape[1:]))
+                for k, w in enumerate((gate, up, down))
+            )
+            for i in range(e)
+        ]
+
+    def _slot_data(self, kind: int, e: int) -> torch.Tensor:
+        if e < self.n_device:
+            return self._dev[kind].data[e]
+        return self._host[kind].data[e - self.n_device]
+
+    # ---- ExpertProvider ----------------------------------------------------------------------
+    @property
+    def num_experts(self) -> int:
+        return self.expert_addr.shape[1]
+
+    fully_resident = True  # every expert has a fixed place: no host work per forward
+
+    def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
+        return self._views[e]  # type: ignore[return-value]
+
+    def stacked(self) -> tuple[QTensor, ...]:
+        """Types and shapes of the weights (one slot each; the data is found by address)."""
+        return self.templates
+
+    # ---- counters ----------------------------------------------------------------------------
+    def count(self, ids: torch.Tensor) -> None:
+        """Add the routed experts' reads (ids [T, k]) to the device-side counters (no sync)."""
+        dev = self.on_device[ids.reshape(-1)].sum()
+        self._counts += torch.stack((dev, ids.numel() - dev))
+
+    def read_counts(self) -> dict[str, int]:
+        """Expert reads so far: {"device": n, "host": n} (one device sync)."""
+        d, h = self._counts.tolist()
+        return {"device": int(d), "host": int(h)}
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        return {
+            "device": sum(w.data.numel() for w in self._dev),
+            "host": sum(w.data.numel() for w in self._host),
+        }
+
+
+def attach_zero_copy(
+    model: object,
+    gpu_expert_cache_gib: float,
+    host_expert_cache_gib: float | None = None,
+) -> list[ZeroCopyExperts]:
+    """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
+    stacks are host views of the file) by `ZeroCopyExperts` with as many experts per layer on
+    the device as `gpu_expert_cache_gib` holds. The rest go to pinned host memory, which must
+    fit `host_expert_cache_gib` when given (CapacityError otherwise)."""
+    moes = list(model.moe_layers())  # type: ignore[attr-defined]
+    if not moes:
+        raise UnsupportedError("zero-copy expert placement applies to MoE models only")
+    stacks = [m.experts.stacked() for m in moes]
+    per_expert = sum(w.data[0].numel() for w in stacks[0])
+    e = stacks[0][0].shape[0]
+    n_device = min(e, int(gpu_expert_cache_gib * 2**30) // (per_expert * len(moes)))
+    host_bytes = (e - n_device) * per_expert * len(moes)
+    if host_expert_cache_gib is not None and host_bytes > host_expert_cache_gib * 2**30:
+        raise CapacityError(
+            f"zero-copy placement keeps {e - n_device} experts per layer in pinned host memory "
+            f"({host_bytes / 2**30:.2f} GiB), more than --host-expert-cache-gib "
+            f"{host_expert_cache_gib:g}"
+        )
+    device = model.device  # type: ignore[attr-defined]
+    providers = []
+    for moe, st in zip(moes, stacks, strict=True):
+        provider = ZeroCopyExperts(st, n_device, device)
+        moe.experts = provider
+        providers.append(provider)
+    return providers
