@@ -5,7 +5,8 @@
 #                                        greedy text on the GPU against the CPU reference
 #   bench/scripts/gpu_figures.sh models  30B-A3B and 8B: prefill, decode, concurrency, verify
 #                                        cost, prefix reuse, --deterministic cost
-#   bench/scripts/gpu_figures.sh experts 30B-A3B with 50/25/10% of experts in device slots
+#   bench/scripts/gpu_figures.sh experts 30B-A3B with ~50/25/10% of experts on the device: zero-copy
+#                                        placement, then streaming (50/25%)
 set -uo pipefail
 part=${1:?usage: gpu_figures.sh check|models|experts}
 out=${OUT:-/tmp/gpu-figures}
@@ -46,7 +47,12 @@ case $part in
     ;;
   experts)
     synth qwen3-30b-a3b q30
-    for gib in 8 4 1.6; do
+    for gib in 8 4 1.6; do  # zero-copy placement first (fast if it works), then streaming
+      bench "zc$gib" 120 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib "$gib" \
+        --host-expert-cache-gib 24 --expert-zero-copy --prompt-lens 128 --decode-depths 0 \
+        --decode-tokens 64 --repeats 3 --concurrency 1,8 --concurrency-prompt 64
+    done
+    for gib in 8 4; do
       bench "exp$gib" 150 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib "$gib" \
         --host-expert-cache-gib 24 --prompt-lens 128 --decode-depths 0 --decode-tokens 32 \
         --repeats 2 --concurrency 1,8 --concurrency-prompt 64
