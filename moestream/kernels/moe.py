@@ -142,38 +142,41 @@ def _gate_up_mmvq_kernel(
 def _down_mmvq_kernel(
     hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr, addr_ptr,
     E_ADDR, H, stride_de, stride_dn, stride_ot,
-    QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, G: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
+    QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
-    The token's k experts are a tensor dimension beside the groups (all their loads in flight
-    at once); the routing weight scales each expert's block scales; one `tree_sum`. With ADDR
-    expert e's down weight is at byte address addr[2, e]."""
+
+    The token's k experts are unrolled (a static loop) over one tile [1, BN, SUB*G, 8] that
+    accumulates them in selection order and is reduced once by `tree_sum`. Each expert's id,
+    weight and base pointer are scalars: had they been a tensor dimension, their loads would
+    have had a register layout of their own, and moving the pointers derived from them into
+    the tile's layout cost a shared-memory conversion (and a barrier) per load (seen in the
+    sm_90 build). The routing weight scales each expert's block scales. With ADDR, expert e's
+    down weight is at byte address addr[2, e]. F // 256 groups per step of G groups."""
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
-    R: tl.constexpr = K_BLOCK * SUB * G
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nc = tl.minimum(n, H - 1).to(tl.int64)[None, :, None, None]  # [1, BN, 1, 1]
-    e = tl.arange(0, R)[None, None, :, None]  # (expert j, group, run)
-    j = e // (SUB * G)
-    r = e % (SUB * G)
-    a = t * TOPK + tl.minimum(j, TOPK - 1)  # [1, 1, R, 1] assignment
-    eid = tl.load(ids_ptr + a)
-    if ADDR:
-        d_base = tl.multiple_of(tl.load(addr_ptr + 2 * E_ADDR + eid), [16, 16, 16, 16])
-        d_base = d_base.to(tl.pointer_type(tl.uint8))
-    else:
-        d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
-    wt = tl.load(weights_ptr + a).to(tl.float32)
-    rows = d_base + nc * stride_dn  # [1, BN, R, 1]
-    xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
+    r = tl.arange(0, SUB * G)[None, None, :, None]  # (group, run)
     y = tl.zeros([1, BLOCK_N], tl.float32)
-    for i in range(0, F // 256, G):  # no 4-D tile carried across steps (see `mmvq_rows`)
+    for i in range(0, F // 256, G):
         sb = i + r // SUB
-        ok = (j < TOPK) & (sb < F // 256)
-        part = tl.zeros([1, BLOCK_N, R, 8], tl.float32)
-        part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
-        y += tree_sum(part, 1, BLOCK_N, R * 8)  # [1, BN]
+        ok = sb < F // 256
+        part = tl.zeros([1, BLOCK_N, SUB * G, 8], tl.float32)
+        for j in tl.static_range(TOPK):
+            a = t * TOPK + j  # the assignment (scalar)
+            eid = tl.load(ids_ptr + a)
+            if ADDR:
+                d_base = tl.multiple_of(tl.load(addr_ptr + 2 * E_ADDR + eid), 16)
+                d_base = d_base.to(tl.pointer_type(tl.uint8))
+            else:
+                d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
+            wt = tl.load(weights_ptr + a).to(tl.float32)
+            rows = d_base + nc * stride_dn  # [1, BN, 1, 1]
+            xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
+            part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
+        y += tree_sum(part, 1, BLOCK_N, SUB * G * 8)  # [1, BN]
     dst = out_ptr + t * stride_ot + n[None, :]
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=n[None, :] < H)
 
@@ -455,8 +458,7 @@ def fused_moe(
         _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
             hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, out, addr,
             n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
-            QD=int(down.qtype), F=f, TOPK=k, K_BLOCK=triton.next_power_of_2(k),
-            BLOCK_N=cfg.down_block_n,
+            QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
             G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), ADDR=use_addr, ASM=asm,
             num_warps=cfg.down_warps,
         )  # fmt: skip
