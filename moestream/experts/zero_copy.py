@@ -15,8 +15,8 @@ yet: with random weights routing is near-uniform, where any fixed choice is as g
 models a frequency-based choice from a warm-up is the next step). Off CUDA (tests), both tiers
 are ordinary memory and the layer takes the per-expert reference path through `weights(e)`.
 
-Counters: reads of device-placed and host-placed experts per layer, kept on the device (no
-sync) and read by `read_counts()`.
+Counters: reads of every expert, kept on the device (no sync), summed per tier by
+`read_counts()`.
 
 Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
 """
@@ -63,8 +63,7 @@ class ZeroCopyExperts:
         if any(a % 16 for row in addr for a in row):  # the kernel's contract
             raise UnsupportedError("expert byte sizes are not multiples of 16: no zero-copy")
         self.expert_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
-        self.on_device = torch.arange(e, device=self.device) < n_device  # [E] bool
-        self._counts = torch.zeros(2, dtype=torch.int64, device=self.device)  # device, host
+        self._reads = torch.zeros(e, dtype=torch.int64, device=self.device)  # [E] per expert
         # Types, shapes and row strides for the kernel (a slot of each stack: S = 1).
         self.templates = tuple(
             QTensor(self._slot_data(k, 0).unsqueeze(0), w.qtype, (1, *w.shape[1:]))
@@ -99,14 +98,15 @@ class ZeroCopyExperts:
 
     # ---- counters ----------------------------------------------------------------------------
     def count(self, ids: torch.Tensor) -> None:
-        """Add the routed experts' reads (ids [T, k]) to the device-side counters (no sync)."""
-        dev = self.on_device[ids.reshape(-1)].sum()
-        self._counts += torch.stack((dev, ids.numel() - dev))
+        """Add the routed experts' reads (ids [T, k]) to the per-expert device-side counts (two
+        small launches, no sync)."""
+        flat = ids.reshape(-1)
+        self._reads.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
     def read_counts(self) -> dict[str, int]:
         """Expert reads so far: {"device": n, "host": n} (one device sync)."""
-        d, h = self._counts.tolist()
-        return {"device": int(d), "host": int(h)}
+        reads = self._reads.tolist()
+        return {"device": sum(reads[: self.n_device]), "host": sum(reads[self.n_device :])}
 
     @property
     def nbytes(self) -> dict[str, int]:
