@@ -7,8 +7,8 @@ needed when the experts are in place. Three paths (`default_method` picks by A a
 - decode, integer dots ("mmvq", T*k <= MMVQ_MAX_ASSIGNMENTS, Q4_K/Q5_K/Q6_K/Q8_0): x rounded
   to q8 blocks (`kernels.mmvq`, one launch), then one program per (assignment, 32 F rows) for
   gate and up with SiLU and h's q8 rounding fused, then one program per (token, block of H
-  rows) that takes the token's k experts as a tensor dimension, routing weight folded into the
-  block scales, written straight into out [T, H]: three launches.
+  rows) that unrolls the token's k experts over one tile (scalar ids and pointers), routing
+  weight folded into the block scales, written straight into out [T, H]: three launches.
 - decode, float ("gemv", T*k <= GEMV_MAX_ASSIGNMENTS, other types): GEMV-style, two launches.
   Stage 1 runs one program per (assignment, block of F rows) for gate and up together, SiLU
   fused, h [T*k, F] float32;
