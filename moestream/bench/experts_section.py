@@ -1,6 +1,7 @@
 """The `experts` section of `moestream bench`: the expert store's counters over the whole run
 (hits and misses per tier, bytes moved per tier, prefetch accuracy, stall time), present only
-when experts are streamed (`--gpu-expert-cache-gib`). It runs after the timed sections, so its
+when experts are streamed (`--gpu-expert-cache-gib`); with `--expert-zero-copy`, the reads
+per tier and the bytes that crossed the host link. It runs after the timed sections, so its
 figures describe exactly the traffic those measurements paid for."""
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # runner.py lists this section among its own
     from moestream.bench.runner import BenchContext, Metric
 
-_RATES = ("device_hit_rate", "host_hit_rate", "prefetch_accuracy", "prediction_recall")
+_RATES = (
+    "device_hit_rate",
+    "host_hit_rate",
+    "prefetch_accuracy",
+    "prediction_recall",
+    "device_read_share",
+)
 
 
 class ExpertsSection:
@@ -18,6 +25,13 @@ class ExpertsSection:
 
     def run(self, ctx: BenchContext) -> dict[str, Any] | None:
         store = getattr(ctx.llm, "expert_store", None)
+        zero_copy = getattr(ctx.llm, "zero_copy", None)
+        if zero_copy:  # fixed placement: reads per tier instead of a store's traffic
+            from moestream.experts.zero_copy import zero_copy_snapshot
+
+            budgets = {"device": sum(p.nbytes["device"] for p in zero_copy)}
+            budgets["host"] = sum(p.nbytes["host"] for p in zero_copy)
+            return {"counters": zero_copy_snapshot(zero_copy), "budgets": budgets}
         if store is None:
             return None
         return {"counters": store.counters.snapshot(), "budgets": _budgets(ctx.llm)}

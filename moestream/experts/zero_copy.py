@@ -46,6 +46,7 @@ class ZeroCopyExperts:
             raise ValueError(f"n_device {n_device} not in [0, {e}]")
         self.device = torch.device(device)
         self.n_device = n_device
+        self._expert_bytes = sum(w.data[0].numel() * w.data.element_size() for w in stacks)
         cuda = self.device.type == "cuda"
         self._dev: list[QTensor] = []
         self._host: list[QTensor] = []
@@ -109,11 +110,34 @@ class ZeroCopyExperts:
         return {"device": sum(reads[: self.n_device]), "host": sum(reads[self.n_device :])}
 
     @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate, up and down)."""
+        return self._expert_bytes
+
+    @property
     def nbytes(self) -> dict[str, int]:
         return {
             "device": sum(w.data.numel() for w in self._dev),
             "host": sum(w.data.numel() for w in self._host),
         }
+
+
+def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float | int]:
+    """Reads per tier over all layers so far, the share served from the device, and the bytes
+    that crossed the host link (one device sync per layer)."""
+    device = host = host_bytes = 0
+    for p in providers:
+        c = p.read_counts()
+        device += c["device"]
+        host += c["host"]
+        host_bytes += c["host"] * p.expert_bytes
+    total = device + host
+    return {
+        "device_reads": device,
+        "host_reads": host,
+        "device_read_share": device / total if total else 0.0,
+        "host_link_bytes": host_bytes,
+    }
 
 
 def attach_zero_copy(

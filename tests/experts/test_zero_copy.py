@@ -62,3 +62,27 @@ def test_budgets_are_enforced() -> None:
         zero_copy(1e-9, host_gib=1e-6)
     with pytest.raises(RequestError, match="gpu_expert_cache_gib"):
         LLM(DEMO_MODEL, device="cpu", expert_zero_copy=True)
+
+
+def test_bench_experts_section_reports_zero_copy_reads() -> None:
+    if not DEMO_MODEL.is_file():
+        pytest.skip("demo model is not in this checkout")
+    from moestream.bench.experts_section import ExpertsSection
+
+    llm = zero_copy(1e-9)
+    llm.generate(PROMPTS[:1], GREEDY)
+
+    class Ctx:  # the one field the section reads
+        pass
+
+    ctx = Ctx()
+    ctx.llm = llm
+    data = ExpertsSection().run(ctx)
+    c = data["counters"]
+    assert c["device_reads"] == 0 and c["host_reads"] > 0 and c["device_read_share"] == 0.0
+    # layers' experts differ in size (the mix gives some down projections more bits)
+    link = sum(p.read_counts()["host"] * p.expert_bytes for p in llm.zero_copy)
+    assert c["host_link_bytes"] == link > 0
+    assert data["budgets"]["device"] == 0 and data["budgets"]["host"] > 0
+    head, rows = ExpertsSection().table(data)
+    assert len(rows) == 4
