@@ -23,7 +23,7 @@ Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -138,6 +138,26 @@ def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float 
         "device_read_share": device / total if total else 0.0,
         "host_link_bytes": host_bytes,
     }
+
+
+def zero_copy_metric_families(
+    snapshot: dict[str, float | int],
+) -> Iterator[tuple[str, str, str, float]]:
+    """(name, help, type, value) for Prometheus from a `zero_copy_snapshot`, as
+    `experts.metric_families` gives them for a store."""
+    docs = {
+        "device_reads": "Expert reads served from device memory (zero-copy placement)",
+        "host_reads": "Expert reads served from pinned host memory over the host link",
+        "host_link_bytes": "Expert bytes read over the host link",
+    }
+    for name, doc in docs.items():
+        yield f"moestream_expert_zero_copy_{name}", doc, "counter", float(snapshot[name])
+    yield (
+        "moestream_expert_zero_copy_device_read_share",
+        "Share of expert reads served from device memory",
+        "gauge",
+        float(snapshot["device_read_share"]),
+    )
 
 
 def attach_zero_copy(

@@ -39,9 +39,10 @@ _ITL_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine, expert_store: Any = None) -> None:
+    def __init__(self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = ()) -> None:
         self._engine = engine
         self._expert_store = expert_store
+        self._zero_copy = list(zero_copy or ())
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats
@@ -89,6 +90,13 @@ class _EngineCollector:
             from moestream.experts import metric_families
 
             for name, doc, kind, value in metric_families(self._expert_store.counters.snapshot()):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=value)
+        if self._zero_copy:  # zero-copy placement: reads per tier, bytes over the host link
+            from moestream.experts.zero_copy import zero_copy_metric_families, zero_copy_snapshot
+
+            snap = zero_copy_snapshot(self._zero_copy)
+            for name, doc, kind, value in zero_copy_metric_families(snap):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=value)
 
@@ -153,9 +161,10 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def watch(self, engine: AsyncEngine, expert_store: Any = None) -> None:
-        """Export the engine's snapshot gauges and counters (and the expert store's)."""
-        self.registry.register(_EngineCollector(engine, expert_store))
+    def watch(self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = ()) -> None:
+        """Export the engine's snapshot gauges and counters (and the expert store's, or the
+        zero-copy placement's per-layer providers)."""
+        self.registry.register(_EngineCollector(engine, expert_store, zero_copy))
 
     # ---- observer hooks (called by AsyncEngine on the event loop) ---------------------------
     def on_output(

@@ -81,7 +81,9 @@ class ServerState:
             logits_processor=ConstrainedLogits(self.grammars.mask_words, eos),
             observer=self.metrics,
         )
-        self.metrics.watch(self.aengine, getattr(llm, "expert_store", None))
+        self.metrics.watch(
+            self.aengine, getattr(llm, "expert_store", None), getattr(llm, "zero_copy", ())
+        )
         self._token_text = [b.decode("utf-8", errors="replace") for b in self.tokenizer.token_bytes]
 
     @property

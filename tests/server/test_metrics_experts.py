@@ -46,3 +46,24 @@ def test_metrics_include_speculation_counters(model_path) -> None:
     assert lines['moestream_spec_verify_steps_total{proposer="ngram"}'] > 0
     assert lines['moestream_spec_draft_tokens_total{proposer="ngram"}'] > 0
     assert 'moestream_spec_tau{proposer="ngram"}' in lines
+
+
+def test_metrics_include_zero_copy_reads(model_path) -> None:
+    from moestream.server.app import build_app
+    from moestream.server.serving import ServerConfig
+
+    llm = LLM(
+        model_path, gpu_expert_cache_gib=0.004, host_expert_cache_gib=1.0,
+        expert_zero_copy=True, num_threads=1,
+    )  # fmt: skip
+    with TestClient(build_app(llm, ServerConfig(model_names=["m"]))) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": "def f(x):", "max_tokens": 4})
+        assert r.status_code == 200
+        text = c.get("/metrics").text
+    lines = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if ln[:1] != "#"}
+    reads = lines["moestream_expert_zero_copy_device_reads_total"]
+    reads += lines["moestream_expert_zero_copy_host_reads_total"]
+    assert reads > 0
+    share = lines["moestream_expert_zero_copy_device_read_share"]
+    assert 0.0 <= share <= 1.0
+    assert lines["moestream_expert_zero_copy_host_link_bytes_total"] > 0
