@@ -96,14 +96,9 @@ def graph_gpu_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     bucket = graphs.bucket_for(batch)
     if bucket not in graphs.captured:
         return None
-    graphs.replay(bucket)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graphs.replay(bucket)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    from decode_gpu import forward_gpu_ms  # bench/decode_gpu.py, beside this script
+
+    return forward_gpu_ms(graphs, bucket, reps)["forward_gpu_ms"]
 
 
 def measure(llm: LLM, batch: int, args: argparse.Namespace) -> dict[str, Any]:

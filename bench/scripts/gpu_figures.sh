@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks and figures the open issues ask for, in two parts of under 10 minutes each on
-# an H200 (run from a checkout with gguf importable; OUT names a folder for the JSON files).
+# The GPU checks and figures the open issues ask for, in three parts, each meant to fit one
+# 10-minute call on an H200 (per-run timeouts; not yet run end to end) (run from a checkout with gguf importable; OUT names a folder for the JSON files).
 #   bench/scripts/gpu_figures.sh check   GPU tests of the kernels, graphs and expert tiers;
 #                                        greedy text on the GPU against the CPU reference
 #   bench/scripts/gpu_figures.sh models  30B-A3B and 8B: prefill, decode, concurrency, verify

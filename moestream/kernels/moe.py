@@ -48,8 +48,9 @@ from moestream.weights.qtensor import QTensor
 GEMV_MAX_ASSIGNMENTS = 64  # the float GEMV path's limit
 # The integer-dot path's limit. H200, Qwen3-30B-A3B layer (bench/kernels_gpu.py, bench/RESULTS.md):
 # mmvq 34.6 us at T=1 and 179 us at T=8 (A=64); the grouped GEMM 787 us at T=16 and 1,012 us at
-# T=32. mmvq's time grows at most linearly in A (distinct experts grow slower), so up to A=256
-# it stays under 4 x 179 = 716 us, below the GEMM.
+# T=32. mmvq was not timed above A=64; its time is expected to grow at most linearly in A
+# (each assignment reads its expert once; distinct experts grow slower), which would keep it
+# under 4 x 179 = 716 us up to A=256, below the GEMM. To confirm on a GPU.
 MMVQ_MAX_ASSIGNMENTS = 256
 
 
@@ -354,9 +355,10 @@ def check_moe_args(
     gate: QTensor,
     up: QTensor,
     down: QTensor,
-    expert_slot: torch.Tensor,
+    expert_slot: torch.Tensor | None,
 ) -> None:
-    """Shapes, strides, dtypes and devices the fused kernels need (ValueError otherwise)."""
+    """Shapes, strides, dtypes and devices the fused kernels need (ValueError otherwise);
+    `expert_slot` None (experts found by address) is not checked."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES or x.stride(1) != 1:
         raise ValueError(f"x must be [T, H] float with unit last stride, got {x.dtype} {x.shape}")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
@@ -375,11 +377,13 @@ def check_moe_args(
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} != topk_ids' shape")
     if not topk_weights.is_floating_point():
         raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    if expert_slot.dim() != 1 or expert_slot.dtype != torch.int32 or expert_slot.stride(0) != 1:
-        raise ValueError(f"expert_slot must be a contiguous int32 [E], got {expert_slot.dtype}")
     for name, t_ in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t_.device != x.device:
             raise ValueError(f"{name} on {t_.device}, x on {x.device}")
+    if expert_slot is None:
+        return
+    if expert_slot.dim() != 1 or expert_slot.dtype != torch.int32 or expert_slot.stride(0) != 1:
+        raise ValueError(f"expert_slot must be a contiguous int32 [E], got {expert_slot.dtype}")
     if expert_slot.device != x.device:
         raise ValueError(f"expert_slot on {expert_slot.device}, x on {x.device}")
 
@@ -391,7 +395,7 @@ def fused_moe(
     gate: QTensor,
     up: QTensor,
     down: QTensor,
-    expert_slot: torch.Tensor,
+    expert_slot: torch.Tensor | None,
     out: torch.Tensor | None = None,
     method: str | None = None,
     block_n: int | None = None,
@@ -411,9 +415,11 @@ def fused_moe(
     out as one slot of `gate`/`up`/`down`, which then only give types, shapes and row strides),
     in device memory or in pinned host memory the GPU reads directly (mapped under unified
     addressing), each 16-byte aligned (not checked here: that would need a sync). It needs the
-    "mmvq" path; `expert_slot` is then not read.
+    "mmvq" path, and `expert_slot` may be None (it is not read).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+    if expert_slot is None and expert_addr is None:
+        raise ValueError("fused_moe needs expert_slot or expert_addr")
     if expert_addr is not None and (
         expert_addr.dtype != torch.int64
         or expert_addr.dim() != 2
@@ -448,15 +454,16 @@ def fused_moe(
         use_addr = expert_addr is not None
         addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
         n_addr = expert_addr.shape[1] if use_addr else 0
+        slot = expert_slot if expert_slot is not None else topk_ids  # likewise
         _gate_up_mmvq_kernel[(a, f // 32)](
-            xa.q, xa.d, xa.s, topk_ids, expert_slot, gate.data, up.data, hq, hd, hs, addr,
+            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr,
             n_addr, xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
             G=min(cfg.up_groups, triton.next_power_of_2(h // 256)), ADDR=use_addr, ASM=asm,
             num_warps=cfg.up_warps,
         )  # fmt: skip
         _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
-            hq, hd, hs, topk_ids, topk_weights, expert_slot, down.data, out, addr,
+            hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr,
             n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
             QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
             G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), ADDR=use_addr, ASM=asm,

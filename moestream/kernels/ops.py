@@ -230,6 +230,21 @@ def moe_forward(
     return fused_moe(x, ids, weights, gate, up, down, slot)
 
 
+def _moe_in_token_chunks(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    rows: int,
+    moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """moe(x, ids, weights) over consecutive chunks of at most `rows` tokens, concatenated."""
+    parts = [
+        moe(x[i : i + rows], topk_ids[i : i + rows], topk_weights[i : i + rows])
+        for i in range(0, x.shape[0], rows)
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
 def moe_forward_addr(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -250,24 +265,13 @@ def moe_forward_addr(
     )):  # fmt: skip
         raise ValueError("address-table experts need the CUDA integer-dot MoE kernel")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
-    unused = torch.zeros(expert_addr.shape[1], dtype=torch.int32, device=x.device)
-    rows = max(1, MMVQ_MAX_ASSIGNMENTS // ids.shape[1])
-    parts = [
-        fused_moe(
-            x[i : i + rows],
-            ids[i : i + rows],
-            weights[i : i + rows],
-            gate,
-            up,
-            down,
-            unused,
-            method="mmvq",
-            expert_addr=expert_addr,
-        )  # fmt: skip
-        for i in range(0, x.shape[0], rows)
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _moe_in_token_chunks(
+        x, topk_ids.contiguous(), topk_weights.contiguous(),
+        max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1]),
+        lambda xc, ic, wc: fused_moe(
+            xc, ic, wc, gate, up, down, None, method="mmvq", expert_addr=expert_addr
+        ),
+    )  # fmt: skip
 
 
 def invariant_moe(
@@ -285,22 +289,11 @@ def invariant_moe(
     from moestream.kernels.moe import fused_moe
 
     mmvq = all(w.qtype in MMVQ_QTYPES for w in (gate, up, down))
-    rows = INVARIANT_MOE_TOKENS if mmvq else 1
     method = "mmvq" if mmvq else "gemv"
-    parts = [
-        fused_moe(
-            x[i : i + rows],
-            topk_ids[i : i + rows],
-            topk_weights[i : i + rows],
-            gate,
-            up,
-            down,
-            expert_slot,
-            method=method,
-        )  # fmt: skip
-        for i in range(0, x.shape[0], rows)
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return _moe_in_token_chunks(
+        x, topk_ids, topk_weights, INVARIANT_MOE_TOKENS if mmvq else 1,
+        lambda xc, ic, wc: fused_moe(xc, ic, wc, gate, up, down, expert_slot, method=method),
+    )  # fmt: skip
 
 
 def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:

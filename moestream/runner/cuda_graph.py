@@ -74,6 +74,20 @@ class GraphBackend(Protocol):
     ) -> tuple[Callable[[], None], torch.Tensor]: ...
 
 
+class RecomputeBackend:
+    """A `GraphBackend` without CUDA: capture runs the forward once and keeps its output
+    buffer, replay recomputes into it. The graphs' buffer and bucket logic then runs anywhere
+    (the CPU tests use it); `captures` counts the captures."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        self.captures += 1
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
 class CudaGraphBackend:
     """`torch.cuda.CUDAGraph` capture into one private memory pool shared by all graphs."""
 

@@ -151,6 +151,16 @@ class ModelRunner:
             return self.sample_with_drafts(logits, batch.sampled)
         return self.sample(logits, batch.sampled)
 
+    def _sampling_batch(self, reqs: list[ScheduledRequest]) -> SamplingBatch:
+        """The requests' sampling parameters and histories as device tensors."""
+        return SamplingBatch.from_params(
+            [s.sampling_params for s in reqs],
+            [s.output_token_ids for s in reqs],
+            [s.prompt_token_ids for s in reqs],
+            self.device,
+            [len(s.output_token_ids) for s in reqs],
+        )
+
     def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> RunnerOutput:
         """One token per row of `logits` [B, V] for `reqs` (in order), with logprobs if asked.
 
@@ -163,13 +173,7 @@ class ModelRunner:
         if all(argmax_only(s.sampling_params) for s in reqs):
             token_ids = self.reader.read(self.sampler.argmax(logits))  # [B] -> host
             return RunnerOutput(sampled={s.request_id: [t] for s, t in zip(reqs, token_ids)})
-        batch = SamplingBatch.from_params(
-            [s.sampling_params for s in reqs],
-            [s.output_token_ids for s in reqs],
-            [s.prompt_token_ids for s in reqs],
-            self.device,
-            [len(s.output_token_ids) for s in reqs],
-        )
+        batch = self._sampling_batch(reqs)
         want = [s.sampling_params.logprobs is not None for s in reqs]
         result = self.sampler.sample(logits, batch, logprobs=any(want))
         token_ids = self.reader.read(result.token_ids)  # the step's one host synchronisation
@@ -223,13 +227,7 @@ class ModelRunner:
                     ids.append(s.request_id)
                     history.append(list(s.output_token_ids) + s.draft_token_ids[:j])
             logits = self.logits_processor.apply(logits, ids, history)
-        batch = SamplingBatch.from_params(
-            [s.sampling_params for s in reqs],
-            [s.output_token_ids for s in reqs],
-            [s.prompt_token_ids for s in reqs],
-            self.device,
-            [len(s.output_token_ids) for s in reqs],
-        )
+        batch = self._sampling_batch(reqs)
         result = verify_drafts(
             logits,
             [s.draft_token_ids for s in reqs],

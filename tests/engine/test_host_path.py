@@ -19,27 +19,18 @@ and logprobs equal those of the eager engine.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import torch
 
 from moestream.config import CacheConfig, SchedConfig
 from moestream.engine import Engine
 from moestream.layers.attention import AttentionMetadata
-from moestream.runner.cuda_graph import DecodeGraphs
+from moestream.runner.cuda_graph import DecodeGraphs, RecomputeBackend
 from moestream.spec.base import Proposal, ProposalInput, Proposer, SpecConfig
 from moestream.spec.speculator import Speculator
 from moestream.types import SamplingParams
 
 BS = 16
-
-
-class RecomputeBackend:
-    """Capture = run once and keep the output buffer; replay = recompute into it."""
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        out = fn()
-        return (lambda: out.copy_(fn())), out
 
 
 def reference_forward(engine: Engine, calls: list[tuple[int, int]]):

@@ -241,6 +241,10 @@ def test_fused_moe_mmvq_reads_experts_through_an_address_table(experts):
     )  # [3, E]
     out = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq", expert_addr=addr)
     assert torch.equal(out, ref)
+    no_slots = fused_moe(x, ids, weights, gate, up, down, None, method="mmvq", expert_addr=addr)
+    assert torch.equal(no_slots, ref)  # the slot table is not read
+    with pytest.raises(ValueError, match="expert_slot or expert_addr"):
+        fused_moe(x, ids, weights, gate, up, down, None, method="mmvq")
     with pytest.raises(ValueError, match="mmvq path"):
         fused_moe(x, ids, weights, gate, up, down, slot, method="gemm", expert_addr=addr)
     with pytest.raises(ValueError, match="int64"):

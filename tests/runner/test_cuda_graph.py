@@ -10,7 +10,6 @@ Qwen3-MoE through the engine with and without graphs.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,21 +18,9 @@ if not torch.cuda.is_available():  # the kernel-path test below runs Triton's in
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
 from moestream.layers.attention import AttentionMetadata
-from moestream.runner.cuda_graph import BUCKETS, DecodeGraphs, decode_graphs_for
+from moestream.runner.cuda_graph import BUCKETS, DecodeGraphs, RecomputeBackend, decode_graphs_for
 
 V, BS, MAX_BLOCKS = 11, 4, 6
-
-
-class RecomputeBackend:
-    """Capture = run once and keep the output buffer; replay = recompute into it."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        self.captures += 1
-        out = fn()
-        return (lambda: out.copy_(fn())), out
 
 
 class FakeModel:

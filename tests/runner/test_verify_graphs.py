@@ -14,27 +14,14 @@ rows and padding sequences against the torch reference.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 
 import pytest
 import torch
 
 from moestream.layers.attention import AttentionMetadata
-from moestream.runner.cuda_graph import DecodeGraphs
+from moestream.runner.cuda_graph import DecodeGraphs, RecomputeBackend
 
 V, BS, MAX_BLOCKS, NUM_BLOCKS = 5, 4, 5, 32
-
-
-class RecomputeBackend:
-    """Capture = run once and keep the output buffer; replay = recompute into it."""
-
-    def __init__(self) -> None:
-        self.captures = 0
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        self.captures += 1
-        out = fn()
-        return (lambda: out.copy_(fn())), out
 
 
 class FakeModel:
