@@ -255,6 +255,9 @@ def cases(only: set[str], quick: bool):
             yield bench_moe, (1, (T.Q4_K, T.Q4_K), bf16)
             yield bench_moe, (8, mix, bf16, "gemm")  # the other path at the crossover
             yield bench_moe, (16, mix, bf16, "gemv")
+            for t in (16, 32):  # both batched-decode paths where the default switches
+                yield bench_moe, (t, mix, bf16, "gemm")
+            yield bench_moe, (64, mix, bf16, "mmvq")
 
 
 def print_row(r: Row, copy_gbs: float) -> None:

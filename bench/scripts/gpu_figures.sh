@@ -28,8 +28,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
   check)
-    python3 -m pytest tests/kernels tests/runner tests/experts tests/engine -q -p no:cacheprovider \
-      2>&1 | tail -15
+    timeout 330 python3 -m pytest tests/kernels tests/runner tests/experts tests/engine -q \
+      -p no:cacheprovider --maxfail=8 -rf 2>&1 | tail -15
     python3 bench/kernels_gpu.py --only mmvq,moe 2>&1 | tee "$out/kernels.log" | tail -30
     python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 --json "$out/greedy.json" | tail -12
     ;;
