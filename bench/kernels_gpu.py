@@ -133,6 +133,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def matmul_fn(kind: str):
+    from moestream.kernels.dequant_mm import dequant_matmul
     from moestream.kernels.mmvq import mmvq, quantize_q8
     from moestream.kernels.quant_gemm import quant_gemm
     from moestream.kernels.quant_gemv import quant_gemv
@@ -140,7 +141,9 @@ def matmul_fn(kind: str):
     def mmvq_call(x, w, out, config=None):  # the activation quantizer is part of the call
         return mmvq(quantize_q8(x), w, out=out, config=config)
 
-    return {"gemv": quant_gemv, "gemm": quant_gemm, "mmvq": mmvq_call}[kind]
+    return {"gemv": quant_gemv, "gemm": quant_gemm, "mmvq": mmvq_call, "dequant": dequant_matmul}[
+        kind
+    ]
 
 
 def matmul_ref(kind: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -192,7 +195,7 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None) -> Row:
         calls.append((ids, weights, slot, out))
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
-    path = method or default_method(t * TOPK, gate, up, down)
+    path = method or default_method(t * TOPK, gate, up, down, x)
     fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, mmvq_cfg=mmvq_cfg)
     ref = moe_mmvq_ref if path == "mmvq" else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
@@ -246,6 +249,14 @@ def cases(only: set[str], quick: bool):
         for qtype in other_types:
             yield bench_matmul, ("gemm", 512, 12288, 4096, qtype, bf16)
         yield bench_matmul, ("gemm", 64, 4096, 4096, T.Q4_K, f32)
+    if "dequant" in only:  # bf16 weight copy + cuBLAS: both sides of DEQUANT_MIN_M, and prefill
+        for m in (16, 32, 64, 128, 512, 4096):
+            for n, k, qtype in prefill:
+                yield bench_matmul, ("dequant", m, n, k, qtype, bf16)
+                if m <= 128:
+                    yield bench_matmul, ("gemm", m, n, k, qtype, bf16)
+        for t in (32, 64, 128, 512, 4096):  # grouped GEMM on bf16 copies of the experts
+            yield bench_moe, (t, (T.Q4_K, T.Q6_K), bf16, "dequant")
     if "moe" in only:
         mix = (T.Q4_K, T.Q6_K)
         for t in (1, 8) if quick else (1, 4, 8, 16, 32, 512, 4096):
@@ -327,7 +338,7 @@ def sweep_moe(gen, copy_gbs: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="mmvq,gemv,gemm,moe", help="comma list of mmvq, gemv, gemm, moe"
+        "--only", default="mmvq,gemv,gemm,moe", help="comma list of mmvq, gemv, gemm, moe, dequant"
     )
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")

@@ -257,13 +257,27 @@ class MoeMmvqConfig(NamedTuple):
     down_warps: int = 4
 
 
-def default_method(a: int, gate: QTensor, up: QTensor, down: QTensor) -> str:
+def default_method(
+    a: int, gate: QTensor, up: QTensor, down: QTensor, x: torch.Tensor | None = None
+) -> str:
     """The path for A assignments: integer-dot "mmvq" up to MMVQ_MAX_ASSIGNMENTS where all
-    three types have it, else the float "gemv" up to GEMV_MAX_ASSIGNMENTS; the grouped GEMM
-    above. Depends on (A, types) only, never on the routing (row results stay independent)."""
+    three types have it, else the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
+    (bf16 weights and torch's grouped GEMM) where `dequant_mm.grouped_mm_available` for x
+    (bfloat16 on CUDA), else the grouped Triton GEMM. Depends on (A, types, device, dtype) only,
+    never on the routing (row results stay independent of other tokens' experts)."""
     if a <= MMVQ_MAX_ASSIGNMENTS and all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
         return "mmvq"
-    return "gemv" if a <= GEMV_MAX_ASSIGNMENTS else "gemm"
+    if a <= GEMV_MAX_ASSIGNMENTS:
+        return "gemv"
+    if x is not None and _dequant_ok(x):
+        return "dequant"
+    return "gemm"
+
+
+def _dequant_ok(x: torch.Tensor) -> bool:
+    from moestream.kernels.dequant_mm import grouped_mm_available
+
+    return grouped_mm_available(x.device) and (x.dtype == torch.bfloat16 or not x.is_cuda)
 
 
 def unroll_for(groups: int) -> int:
@@ -438,7 +452,7 @@ def fused_moe(
         raise ValueError(f"out must be [{t}, {h}] {x.dtype} with unit last stride")
     if t == 0:
         return out
-    method = method or default_method(a, gate, up, down)
+    method = method or default_method(a, gate, up, down, x)
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
     if method == "mmvq":
         if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
@@ -488,8 +502,14 @@ def fused_moe(
             UNROLL=unroll_for(f // 256), num_warps=4,
         )  # fmt: skip
         return out
+    if method == "dequant":
+        from moestream.kernels.dequant_mm import moe_dequant_grouped
+
+        if not _dequant_ok(x):
+            raise ValueError(f"dequant: no grouped GEMM for {x.dtype} on {x.device}")
+        return moe_dequant_grouped(x, topk_ids, topk_weights, gate, up, down, expert_slot, out)
     if method != "gemm":
-        raise ValueError(f"method must be 'mmvq', 'gemv' or 'gemm', got {method!r}")
+        raise ValueError(f"method must be 'mmvq', 'gemv', 'gemm' or 'dequant', got {method!r}")
     num_experts = expert_slot.shape[0]
     block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
         a / num_experts, x.dtype

@@ -45,6 +45,11 @@ GEMV_MAX_M = 1
 # activations rounded to 8 bits per block of 32, as llama.cpp's GPU decode path does).
 MMVQ_MAX_M = 8
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
+# Rows from which a quantized matmul dequantizes the weight to the activation dtype and calls
+# cuBLAS (`kernels.dequant_mm`) instead of the in-register dequantizing GEMM. An estimate (the
+# bf16 copy costs ~4 bytes per weight of traffic, cuBLAS runs ~15x the Triton GEMM's FLOP rate
+# at M=4096); bench/kernels_gpu.py times both sides of it.
+DEQUANT_MIN_M = 64
 INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
 INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
 _BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
@@ -111,8 +116,9 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
     On the kernel path, up to MMVQ_MAX_M rows of a weight in MMVQ_QTYPES go to the integer-dot
-    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, more to the tiled GEMM;
-    in batch-invariant mode `invariant_quant_matmul` (and fixed row chunks for other weights).
+    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, from DEQUANT_MIN_M rows
+    to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM; in batch-invariant
+    mode `invariant_quant_matmul` (and fixed row chunks for other weights).
     """
     invariant = batch_invariant_enabled() and x.is_cuda
     if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
@@ -136,6 +142,10 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         from moestream.kernels.quant_gemv import quant_gemv
 
         y = quant_gemv(x2, w)
+    elif x2.shape[0] >= DEQUANT_MIN_M:
+        from moestream.kernels.dequant_mm import dequant_matmul
+
+        y = dequant_matmul(x2, w)
     else:
         from moestream.kernels.quant_gemm import quant_gemm
 

@@ -149,7 +149,8 @@ def paged_prefill_attention(
     b = seq_lens.shape[0]
     if t == 0 or b == 0:
         return out
-    dot_f32 = q.device.type != "cuda"
+    # float32 (and the interpreter) take full-precision dots: tl.dot on float32 is tf32 by default
+    dot_f32 = q.device.type != "cuda" or torch.float32 in (q.dtype, k_cache.dtype)
     grid = (b, g, triton.cdiv(max(max_query_len, 1), block_q))
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale * _LOG2E,

@@ -1,0 +1,193 @@
+"""Prefill-size matmuls as "dequantize, then a library GEMM": the weight tile goes to bf16 once,
+then cuBLAS (dense) or torch's grouped GEMM (`torch._grouped_mm`, CUTLASS on sm_90; the MoE)
+does the multiplication on the tensor cores.
+
+Why: with M in the hundreds or thousands, the in-register dequantizing GEMM (`quant_gemm`, the
+MoE "gemm" path) spends more instructions unpacking quants than the tensor cores spend on the
+products (42 TFLOP/s on an H200 at M=4096, bench/RESULTS.md). Writing the weight out as bf16 and
+reading it back costs about 4 bytes per weight over HBM, a few percent of a large GEMM, and the
+GEMM itself then runs at the library's speed. llama.cpp's CUDA backend takes the same route for
+large batches of types without its integer tensor-core kernels.
+
+Numerics: the weight is rounded to x's dtype, then multiplied with float32 accumulation: the
+contract of `ops.quant_matmul_ref` and of the other kernel paths.
+
+- `dequantize_rows`: a Triton kernel; one program per (block of rows, 256-value group, expert),
+  rows found through an expert -> slot table (the tiers' device table), experts without tokens
+  skipped on the device (no host sync).
+- `dequant_matmul`: dense y = x @ W.T, N chunked so the bf16 scratch stays under SCRATCH_BYTES.
+- `moe_dequant_grouped`: the MoE FFN for many tokens: assignments grouped by expert
+  (`moe.align_assignments`), one grouped GEMM for gate and up together (their weights stacked as
+  [E, 2F, H]), SiLU, one grouped GEMM for down, the routing-weighted sum over k in a fixed order
+  (deterministic, no atomics). No host sync: CUDA-graph-capturable.
+
+Letters: M rows, N output features, K input features; T tokens, H hidden, F expert FFN,
+E experts, S weight slots, k experts per token, A = T*k assignments.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moestream.kernels._triton_dequant import (
+    GROUP,
+    MAGIC,
+    check_activation,
+    check_weight,
+    dequant_superblock,
+    plane_k_offsets,
+)
+from moestream.weights.qtensor import QTensor
+
+SCRATCH_BYTES = 256 << 20  # the dense path's bf16 weight chunk (the MoE's is one layer's experts)
+BLOCK_R = 32  # weight rows per dequantizing program
+ALIGN_M = 16  # rows per expert group padded to this (TMA-friendly group starts)
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, slot_ptr, count_ptr, out_ptr, R, stride_we, stride_wr, stride_oe, stride_or, magic,
+    QTYPE: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_COUNT: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0)
+    sb = tl.program_id(1)
+    e = tl.program_id(2)
+    if HAS_COUNT:  # noqa: SIM102 (a constexpr test, then a loaded one)
+        if tl.load(count_ptr + e) == 0:  # an expert no token chose: its rows are never read
+            return
+    src = e
+    if HAS_SLOT:
+        src = tl.load(slot_ptr + e)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    rc = tl.minimum(r, R - 1).to(tl.int64)
+    rows = w_ptr + src.to(tl.int64) * stride_we + rc * stride_wr  # [BR] uint8 pointers
+    w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BR, NG, G] float32 each
+    k0 = plane_k_offsets(0, QTYPE)  # [NG, G]
+    k1 = plane_k_offsets(1, QTYPE)
+    dst = out_ptr + e.to(tl.int64) * stride_oe + r[:, None, None].to(tl.int64) * stride_or
+    dst += sb * 256
+    ok = (r < R)[:, None, None]
+    tl.store(dst + k0[None, :, :], w0.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + k1[None, :, :], w1.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def dequantize_rows(
+    w: QTensor,
+    out: torch.Tensor,
+    expert_slot: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    row_start: int = 0,
+) -> torch.Tensor:
+    """Dequantize into `out` on w's device.
+
+    2-D w [N, K]: out [R, K] receives rows row_start .. row_start + R - 1. 3-D w [S, N, K] (an
+    expert stack): out [E, R, K] receives, for expert e, rows row_start .. of slot
+    expert_slot[e] (slot e when the table is None); experts with counts[e] == 0 are skipped and
+    their rows left as they were. `out` needs unit stride along K; it may be a strided view
+    (e.g. half of a stacked [E, 2F, H] buffer).
+    """
+    check_weight(w, len(w.shape))
+    k = w.shape[-1]
+    data = w.data if len(w.shape) == 3 else w.data[None]  # [S, N, row_bytes]
+    out3 = out if out.dim() == 3 else out[None]  # [E, R, K]
+    e, r = out3.shape[0], out3.shape[1]
+    if out3.shape[2] != k or out3.stride(2) != 1 or row_start + r > w.shape[-2]:
+        raise ValueError(f"out {tuple(out.shape)} does not take rows of {w.shape} at {row_start}")
+    if r == 0 or e == 0:
+        return out
+    base = data[:, row_start:]
+    grid = (triton.cdiv(r, BLOCK_R), k // GROUP, e)
+    _dequant_kernel[grid](
+        base, expert_slot if expert_slot is not None else base,
+        counts if counts is not None else base, out3,
+        r, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
+        QTYPE=int(w.qtype), BLOCK_R=BLOCK_R, HAS_SLOT=expert_slot is not None,
+        HAS_COUNT=counts is not None, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequant(w [N, K]).T in x's dtype (contract of `quant_gemm`): the
+    weight dequantized to x's dtype in chunks of rows under SCRATCH_BYTES, each chunk multiplied
+    by torch (cuBLAS on CUDA)."""
+    check_activation(x, w)
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    rows = max(BLOCK_R, SCRATCH_BYTES // (k * x.element_size()) // BLOCK_R * BLOCK_R)
+    scratch = torch.empty((min(rows, n), k), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, rows):
+        wd = dequantize_rows(w, scratch[: min(rows, n - n0)], row_start=n0)  # [R, K]
+        if n0 == 0 and wd.shape[0] == n:
+            torch.mm(x, wd.t(), out=out)
+        else:
+            out[:, n0 : n0 + wd.shape[0]] = x @ wd.t()
+    return out
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    """torch's grouped GEMM with device-side group offsets: CPU, or CUDA sm_90 and up (where it
+    runs CUTLASS; older GPUs fall back to a loop with a host sync)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+def moe_dequant_grouped(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoE FFN (contract of `ops.moe_forward_ref`) for many tokens: -> [T, H] in x's dtype.
+
+    gate, up [S, F, H], down [S, H, F]; expert_slot [E] int32 on x's device; x bfloat16 on CUDA
+    (any float dtype on the CPU). Peak scratch: E * 3 * F * H values of x's dtype (the routed
+    experts' weights) plus a few [A, H] activations.
+    """
+    from moestream.kernels.moe import align_assignments
+
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    f = gate.shape[1]
+    e = expert_slot.shape[0]
+    a = t * k
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    flat = topk_ids.reshape(-1).long()  # [A]
+    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E], no sync
+    w_gu = torch.empty((e, 2 * f, h), dtype=x.dtype, device=x.device)  # gate rows, then up rows
+    dequantize_rows(gate, w_gu[:, :f], expert_slot, counts)
+    dequantize_rows(up, w_gu[:, f:], expert_slot, counts)
+    w_d = torch.empty((e, h, f), dtype=x.dtype, device=x.device)
+    dequantize_rows(down, w_d, expert_slot, counts)
+
+    sorted_ids, block_expert = align_assignments(topk_ids, e, ALIGN_M)  # [R], [R / ALIGN_M]
+    valid = sorted_ids < a  # [R]
+    row_token = torch.where(valid, sorted_ids // k, 0).long()
+    xs = x[row_token] * valid[:, None].to(x.dtype)  # [R, H], padding rows zero
+    blocks = (counts + ALIGN_M - 1) // ALIGN_M
+    offs = (torch.cumsum(blocks, 0) * ALIGN_M).to(torch.int32)  # [E] end row of each expert
+    gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [R, 2F]
+    hidden = F.silu(gu[:, :f]) * gu[:, f:]  # [R, F] in x's dtype, as `layers.mlp.gated_mlp`
+    y = torch._grouped_mm(hidden, w_d.transpose(1, 2), offs=offs)  # [R, H]
+    # row of each assignment in the grouped order, then the weighted sum over k in order
+    row_of = torch.empty(a + 1, dtype=torch.long, device=x.device)
+    row_of.scatter_(0, sorted_ids.long(), torch.arange(sorted_ids.numel(), device=x.device))
+    ya = y[row_of[:a]].float().view(t, k, h)  # [T, k, H]
+    out.copy_((ya * topk_weights.float()[..., None]).sum(dim=1))
+    return out

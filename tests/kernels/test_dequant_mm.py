@@ -1,0 +1,125 @@
+"""The prefill path that dequantizes weights and hands the product to a library GEMM
+(`kernels.dequant_mm`): the dequantizing kernel bit-exact against gguf's float32 values, the dense
+and MoE products against the torch references. Without CUDA the Triton interpreter runs the
+kernel on the CPU; on a CUDA machine the same tests run on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from moestream.kernels import ops
+from moestream.weights.qtensor import QTensor
+from moestream.weights.quantize import quantize
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from moestream.kernels import dequant_mm  # noqa: E402
+from moestream.kernels.dequant_mm import (  # noqa: E402
+    dequant_matmul,
+    dequantize_rows,
+    grouped_mm_available,
+    moe_dequant_grouped,
+)
+from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
+F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q2_K: (80, 82)}
+F16_FIELDS[T.Q3_K] = (108,)
+
+
+def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """uint8 [*outer, row_bytes]: random bytes with finite float16 scales (every quant pattern)."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    blocks = rng.integers(0, 256, size=(n // block, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        scale = rng.choice([-1.0, 1.0], len(blocks)) * 2.0 ** rng.uniform(-12, 0, len(blocks))
+        blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*shape[:-1], -1)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_rows_is_bit_exact(qtype):
+    """Rows 40..89 of a [96, 512] weight (two row blocks, the second partial) equal gguf's."""
+    raw = random_blocks(qtype, (96, 512), seed=int(qtype))
+    w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (96, 512))
+    out = torch.full((50, 512), float("nan"), device=DEVICE)
+    dequantize_rows(w, out, row_start=40)
+    expect = torch.from_numpy(gguf_dequantize(raw, qtype)[40:90].astype(np.float32))
+    assert torch.equal(out.cpu(), expect)
+
+
+def test_dequantize_rows_through_slots_skips_unused_experts():
+    """Expert e reads slot SLOT[e]; an expert with no tokens is left untouched (poison stays)."""
+    qtype, s, n, k = T.Q4_K, 3, 40, 256
+    raw = random_blocks(qtype, (s, n, k), seed=5)
+    w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (s, n, k))
+    slot = torch.tensor([2, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=DEVICE)
+    out = torch.full((4, n, k), float("nan"), device=DEVICE)
+    dequantize_rows(w, out, slot, counts)
+    values = gguf_dequantize(raw.reshape(s * n, -1), qtype).reshape(s, n, k)
+    for e, (sl, c) in enumerate(zip([2, 0, 1, 0], [1, 0, 3, 2], strict=True)):
+        if c:
+            assert torch.equal(out[e].cpu(), torch.from_numpy(values[sl].astype(np.float32)))
+        else:
+            assert out[e].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_matmul_matches_reference_in_chunks(monkeypatch, dtype):
+    """A scratch of 64 rows forces three chunks of N=160 (the last partial)."""
+    monkeypatch.setattr(dequant_mm, "SCRATCH_BYTES", 64 * 512 * torch.finfo(dtype).bits // 8)
+    values = torch.randn(160, 512, generator=torch.Generator().manual_seed(1)) * 0.05
+    w = QTensor(torch.from_numpy(quantize(values, T.Q6_K)).to(DEVICE), T.Q6_K, (160, 512))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    out = torch.full((5, 160), float("nan"), dtype=dtype, device=DEVICE)
+    dequant_matmul(x, w, out=out)
+    ref = ops.quant_matmul_ref(x.float(), w)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+def stack(qtype: GGMLQuantizationType, shape: tuple[int, int, int], seed: int) -> QTensor:
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return QTensor(torch.from_numpy(quantize(values, qtype)).to(DEVICE), qtype, shape)
+
+
+@pytest.mark.skipif(not grouped_mm_available(torch.device(DEVICE)), reason="no grouped GEMM")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_dequant_grouped_matches_reference(dtype):
+    """5 experts in 4 slots (expert 4 never chosen, expert 2 chosen by most tokens, so its group
+    spans several padded blocks), 9 tokens of k=3."""
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA grouped GEMM takes bfloat16")
+    h, f, t, k = 256, 256, 9, 3
+    gate, up = stack(T.Q4_K, (4, f, h), 1), stack(T.Q5_K, (4, f, h), 2)
+    down = stack(T.Q6_K, (4, h, f), 3)
+    slot = torch.tensor([3, 0, 2, 1, -1], dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(t)])  # [T, k]
+    ids[:, 0] = 2
+    weights = torch.softmax(torch.randn(t, k, generator=g), -1)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE)
+    out = torch.full((t, h), float("nan"), dtype=dtype, device=DEVICE)
+    moe_dequant_grouped(x, ids, weights, gate, up, down, slot, out=out)
+    ref = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+    again = fused_moe(x, ids, weights, gate, up, down, slot, method="dequant")
+    assert torch.equal(again, out)  # deterministic: no atomics
+    assert default_method(257, gate, up, down, x) == "dequant"
+    assert default_method(257, gate, up, down) == "gemm"  # no activation: no device to ask
