@@ -14,7 +14,7 @@ contract of `ops.quant_matmul_ref` and of the other kernel paths.
 
 - `dequantize_rows`: a Triton kernel; one program per (block of rows, 256-value group, expert),
   rows found through an expert -> slot table (the tiers' device table), experts without tokens
-  skipped on the device (no host sync).
+  skipped on the device (no host sync); its launch shape tuned once per shape on the GPU.
 - `dequant_matmul`: dense y = x @ W.T, N chunked so the bf16 scratch stays under SCRATCH_BYTES.
 - `moe_dequant_grouped`: the MoE FFN for many tokens: assignments grouped by expert
   (`moe.align_assignments`), one grouped GEMM for gate and up together (their weights stacked as
@@ -26,6 +26,8 @@ E experts, S weight slots, k experts per token, A = T*k assignments.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +45,12 @@ from moestream.kernels._triton_dequant import (
 from moestream.weights.qtensor import QTensor
 
 SCRATCH_BYTES = 256 << 20  # the dense path's bf16 weight chunk (the MoE's is one layer's experts)
-BLOCK_R = 32  # weight rows per dequantizing program
+BLOCK_R = 32  # weight rows per dequantizing program on the CPU (the interpreter); and the
+# multiple the dense path's chunks are rounded to
+# Launch shapes tried once per (type, rows, K) on a CUDA device, the fastest kept for the process
+# (Triton's autotuner): rows per program x warps. The register count per thread (sm_90 build:
+# 24-168) and the shared-memory layout changes trade off against each other, differently per type.
+TUNE_CONFIGS = ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
 ALIGN_M = 16  # rows per expert group padded to this (TMA-friendly group starts)
 
 
@@ -99,15 +106,30 @@ def dequantize_rows(
     if r == 0 or e == 0:
         return out
     base = data[:, row_start:]
-    grid = (triton.cdiv(r, BLOCK_R), k // GROUP, e)
-    _dequant_kernel[grid](
+    args = (
         base, expert_slot if expert_slot is not None else base,
         counts if counts is not None else base, out3,
         r, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
-        QTYPE=int(w.qtype), BLOCK_R=BLOCK_R, HAS_SLOT=expert_slot is not None,
-        HAS_COUNT=counts is not None, num_warps=4,
     )  # fmt: skip
+    flags = {"QTYPE": int(w.qtype), "HAS_SLOT": expert_slot is not None}
+    flags["HAS_COUNT"] = counts is not None
+    if out.is_cuda:
+        tuned = _tuned_kernel()
+        tuned[lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), k // GROUP, e)](*args, **flags)
+    else:
+        grid = (triton.cdiv(r, BLOCK_R), k // GROUP, e)
+        _dequant_kernel[grid](*args, BLOCK_R=BLOCK_R, num_warps=4, **flags)
     return out
+
+
+@functools.cache
+def _tuned_kernel() -> triton.runtime.Autotuner:
+    """`_dequant_kernel` under Triton's autotuner, keyed by type, rows and K (made on first use:
+    the CPU interpreter never needs it). Every config writes the same values."""
+    configs = [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in TUNE_CONFIGS]
+    return triton.autotune(configs, key=["R", "stride_or", "QTYPE"], warmup=5, rep=20)(
+        _dequant_kernel
+    )
 
 
 def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -46,10 +46,10 @@ GEMV_MAX_M = 1
 MMVQ_MAX_M = 8
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 # Rows from which a quantized matmul dequantizes the weight to the activation dtype and calls
-# cuBLAS (`kernels.dequant_mm`) instead of the in-register dequantizing GEMM. An estimate (the
-# bf16 copy costs ~4 bytes per weight of traffic, cuBLAS runs ~15x the Triton GEMM's FLOP rate
-# at M=4096); bench/kernels_gpu.py times both sides of it.
-DEQUANT_MIN_M = 64
+# cuBLAS (`kernels.dequant_mm`) instead of the in-register dequantizing GEMM. H200, bf16
+# (bench/kernels_gpu.py --only dequant): equal at 16 rows, 2-2.5x faster from 32 rows
+# (N=12288 K=4096 Q4_K: 87.5 vs 172.2 us), 661 vs 42 TFLOP/s at 4096 rows.
+DEQUANT_MIN_M = 32
 INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
 INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
 _BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
