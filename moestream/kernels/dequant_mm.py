@@ -48,19 +48,24 @@ SCRATCH_BYTES = 256 << 20  # the dense path's bf16 weight chunk (the MoE's is on
 BLOCK_R = 32  # weight rows per dequantizing program on the CPU (the interpreter); and the
 # multiple the dense path's chunks are rounded to
 # Launch shapes tried once per (type, rows, K) on a CUDA device, the fastest kept for the process
-# (Triton's autotuner): rows per program x warps. The register count per thread (sm_90 build:
-# 24-168) and the shared-memory layout changes trade off against each other, differently per type.
-TUNE_CONFIGS = ((8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
+# (Triton's autotuner): rows per program, 256-value groups per program (a loop: loads of the
+# next group in flight while this one is stored), warps. The register count per thread (sm_90
+# build: 24-168) and the shared-memory layout changes trade off differently per type.
+TUNE_CONFIGS = tuple(
+    (r, g, w) for r in (8, 16, 32) for g in (1, 2, 4) for w in (4, 8) if r * w <= 128
+)
 ALIGN_M = 16  # rows per expert group padded to this (TMA-friendly group starts)
 
 
 @triton.jit
 def _dequant_kernel(
-    w_ptr, slot_ptr, count_ptr, out_ptr, R, stride_we, stride_wr, stride_oe, stride_or, magic,
-    QTYPE: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SLOT: tl.constexpr, HAS_COUNT: tl.constexpr,
+    w_ptr, slot_ptr, count_ptr, out_ptr, R, K, stride_we, stride_wr, stride_oe, stride_or, magic,
+    QTYPE: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, HAS_SLOT: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):  # fmt: skip
+    # K (the row length) keys the autotuner; this program does groups pid_g * GROUPS + 0 .. GROUPS-1
     pid_r = tl.program_id(0)
-    sb = tl.program_id(1)
+    pid_g = tl.program_id(1)
     e = tl.program_id(2)
     if HAS_COUNT:  # noqa: SIM102 (a constexpr test, then a loaded one)
         if tl.load(count_ptr + e) == 0:  # an expert no token chose: its rows are never read
@@ -71,14 +76,15 @@ def _dequant_kernel(
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     rc = tl.minimum(r, R - 1).to(tl.int64)
     rows = w_ptr + src.to(tl.int64) * stride_we + rc * stride_wr  # [BR] uint8 pointers
-    w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BR, NG, G] float32 each
-    k0 = plane_k_offsets(0, QTYPE)  # [NG, G]
-    k1 = plane_k_offsets(1, QTYPE)
+    k0 = plane_k_offsets(0, QTYPE)[None, :, :]  # [1, NG, G]
+    k1 = plane_k_offsets(1, QTYPE)[None, :, :]
     dst = out_ptr + e.to(tl.int64) * stride_oe + r[:, None, None].to(tl.int64) * stride_or
-    dst += sb * 256
     ok = (r < R)[:, None, None]
-    tl.store(dst + k0[None, :, :], w0.to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(dst + k1[None, :, :], w1.to(out_ptr.dtype.element_ty), mask=ok)
+    for i in range(GROUPS):
+        sb = pid_g * GROUPS + i
+        w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BR, NG, G] float32 each
+        tl.store(dst + sb * 256 + k0, w0.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + sb * 256 + k1, w1.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def dequantize_rows(
@@ -109,16 +115,18 @@ def dequantize_rows(
     args = (
         base, expert_slot if expert_slot is not None else base,
         counts if counts is not None else base, out3,
-        r, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
+        r, k, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
     )  # fmt: skip
     flags = {"QTYPE": int(w.qtype), "HAS_SLOT": expert_slot is not None}
     flags["HAS_COUNT"] = counts is not None
+    groups = k // GROUP
     if out.is_cuda:
         tuned = _tuned_kernel()
-        tuned[lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), k // GROUP, e)](*args, **flags)
+        grid = lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), groups // meta["GROUPS"], e)  # noqa: E731
+        tuned[grid](*args, **flags)
     else:
-        grid = (triton.cdiv(r, BLOCK_R), k // GROUP, e)
-        _dequant_kernel[grid](*args, BLOCK_R=BLOCK_R, num_warps=4, **flags)
+        grid = (triton.cdiv(r, BLOCK_R), groups // (2 if groups % 2 == 0 else 1), e)
+        _dequant_kernel[grid](*args, BLOCK_R=BLOCK_R, GROUPS=groups // grid[1], **flags)
     return out
 
 
@@ -126,10 +134,17 @@ def dequantize_rows(
 def _tuned_kernel() -> triton.runtime.Autotuner:
     """`_dequant_kernel` under Triton's autotuner, keyed by type, rows and K (made on first use:
     the CPU interpreter never needs it). Every config writes the same values."""
-    configs = [triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in TUNE_CONFIGS]
-    return triton.autotune(configs, key=["R", "stride_or", "QTYPE"], warmup=5, rep=20)(
-        _dequant_kernel
-    )
+    configs = [triton.Config({"BLOCK_R": r, "GROUPS": g}, num_warps=w) for r, g, w in TUNE_CONFIGS]
+
+    def dividing(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        groups = named_args["K"] // GROUP
+        kept = [c for c in configs if groups % c.kwargs["GROUPS"] == 0]
+        return kept or [triton.Config({"BLOCK_R": 16, "GROUPS": 1}, num_warps=4)]
+
+    return triton.autotune(
+        configs, key=["R", "K", "QTYPE"], prune_configs_by={"early_config_prune": dividing},
+        warmup=5, rep=20,
+    )(_dequant_kernel)  # fmt: skip
 
 
 def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""Check and time MMQ (int8 tensor-core quantized matmul) against MMVQ on a CUDA device.
+
+Usage (repository root, on a machine with a CUDA GPU and triton):
+    python bench/mmq_gpu.py [--reps 20]
+
+One line per case: dense Q4_K N=12288 K=4096 and N=4096 K=2048 at M = 8, 16, 32, 64 (`mmq`
+vs `mmvq`, which takes at most 8 rows per launch: above that it is called on chunks of 8, as a
+caller would have to), and the Qwen3-30B-A3B MoE layer (128 experts, top-8, H=2048, F=768,
+gate/up Q4_K, down Q6_K) at T = 8, 16, 32, 64 (`moe_mmq` vs `fused_moe(method="mmvq")`). Each
+kernel runs once into a NaN-filled output and is compared with its reference (max |y - ref| /
+max |ref|; FAIL above 1e-4 for the dense float32 outputs, 2e-2 for the MoE's bfloat16); times
+are medians of CUDA-graph replays over weight copies that span twice the L2 cache
+(`bench/kernels_gpu.py`'s method), activation quantization included.
+Exits with status 1 on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from kernels_gpu import copies_for, graph_time_us, random_qtensor, rel_err  # noqa: E402
+
+from moestream.weights.qtensor import QTensor, row_bytes  # noqa: E402
+
+T = GGMLQuantizationType
+E, TOPK, HIDDEN, FFN = 128, 8, 2048, 768
+TOL = 1e-4  # dense, float32 output; the MoE's bfloat16 output: 2e-2
+
+
+def dense_case(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> bool:
+    from moestream.kernels.mmq import mmq, mmq_config, mmq_ref
+    from moestream.kernels.mmvq import mmvq, quantize_q8, quantize_q8_ref
+
+    w = random_qtensor(T.Q4_K, (n, k), gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    out_q = torch.full((m, n), float("nan"), device="cuda")  # float32: a tight check
+    out_v = torch.full_like(out_q, float("nan"))
+
+    def run_mmq(w: QTensor) -> None:
+        mmq(quantize_q8(x), w, out=out_q)
+
+    def run_mmvq(w: QTensor) -> None:
+        for i in range(0, m, 8):  # mmvq takes at most 8 rows
+            mmvq(quantize_q8(x[i : i + 8]), w, out=out_v[i : i + 8])
+
+    run_mmq(w)
+    run_mmvq(w)
+    ref = mmq_ref(quantize_q8_ref(x), w)
+    err_q, err_v = rel_err(out_q, ref), rel_err(out_v, ref)
+    weights = [w] + [
+        QTensor(w.data.clone(), w.qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)
+    ]
+    us_q = graph_time_us([lambda w=w_: run_mmq(w) for w_ in weights], reps)
+    us_v = graph_time_us([lambda w=w_: run_mmvq(w) for w_ in weights], reps)
+    cfg = mmq_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    ok = err_q < TOL and err_v < TOL
+    gbs = w.nbytes / us_q / 1e3
+    print(
+        f"dense Q4_K M={m:3d} N={n:5d} K={k}: mmq {us_q:8.1f} us ({gbs:5.0f} GB/s) | mmvq "
+        f"{us_v:8.1f} us | x{us_v / us_q:5.2f} | err mmq {err_q:.1e} mmvq {err_v:.1e} | "
+        f"{cfg}{'' if ok else ' FAIL'}",
+        flush=True,
+    )
+    return ok
+
+
+def moe_case(t: int, gen: torch.Generator, reps: int) -> bool:
+    from moestream.kernels.mmq import moe_mmq, moe_mmq_ref
+    from moestream.kernels.moe import fused_moe
+
+    qg, qd = T.Q4_K, T.Q6_K
+    per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)
+    c = min(copies_for(min(E, t * TOPK) * per_expert), max(1, (24 << 30) // (E * per_expert)))
+    gate = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    up = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    down = random_qtensor(qd, (c * E, HIDDEN, FFN), gen)
+    x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    calls, used = [], []
+    for i in range(c):  # each call its own routing and slots: cold experts, as layer after layer
+        logits = torch.randn(t, E, device="cuda", generator=gen)
+        weights, ids = torch.topk(torch.softmax(logits, -1), TOPK, dim=-1)  # [T, k]
+        weights = weights / weights.sum(-1, keepdim=True)
+        slot = torch.arange(E, dtype=torch.int32, device="cuda") + i * E
+        calls.append((ids, weights, slot))
+        used.append(torch.unique(ids).numel())
+    ids, weights, slot = calls[0]
+    out_q = torch.full((t, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out_v = torch.full_like(out_q, float("nan"))
+    moe_mmq(x, ids, weights, gate, up, down, slot, out=out_q)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out_v, method="mmvq")
+    ref = moe_mmq_ref(x.float(), ids, weights, gate, up, down, slot)
+    err_q, err_v = rel_err(out_q, ref), rel_err(out_v, ref)
+    us_q = graph_time_us(
+        [lambda a=a: moe_mmq(x, a[0], a[1], gate, up, down, a[2], out=out_q) for a in calls], reps
+    )
+    us_v = graph_time_us(
+        [
+            lambda a=a: fused_moe(x, a[0], a[1], gate, up, down, a[2], out=out_v, method="mmvq")
+            for a in calls
+        ],
+        reps,
+    )
+    mean_used = sum(used) / len(used)
+    gbs = mean_used * per_expert / us_q / 1e3
+    ok = err_q < 2e-2 and err_v < 2e-2  # bfloat16 output
+    print(
+        f"moe Q4_K/Q6_K T={t:3d} ({mean_used:5.1f} experts): mmq {us_q:8.1f} us ({gbs:5.0f} GB/s)"
+        f" | mmvq {us_v:8.1f} us | x{us_v / us_q:5.2f} | err mmq {err_q:.1e} mmvq {err_v:.1e}"
+        f"{'' if ok else ' FAIL'}",
+        flush=True,
+    )
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20, help="graph replays per timing")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device and triton", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {props.name}, {props.multi_processor_count} SMs")
+    ok = True
+    for n, k in ((12288, 4096), (4096, 2048)):
+        for m in (8, 16, 32, 64):
+            ok &= dense_case(m, n, k, gen, args.reps)
+    for t in (8, 16, 32, 64):
+        ok &= moe_case(t, gen, args.reps)
+        torch.cuda.empty_cache()  # the case's expert stacks
+    print("all cases match" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

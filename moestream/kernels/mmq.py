@@ -1,0 +1,527 @@
+"""Quantized matmul on the int8 tensor cores (MMQ) for batched decode: dense and fused MoE.
+
+y [M, N] = x [M, K] @ dequant(W [N, K]).T, computed as llama.cpp's CUDA MMQ does: x is rounded
+to 8 bits per block of 32 (`mmvq.quantize_q8`: int8 q, float scale d, s = d * sum(q)), each
+weight sub-block of 32 values is unpacked in registers to int8 (Q4_K nibbles 0..15, Q5_K 5-bit
+0..31, Q6_K 6-bit minus 32, Q8_0 as is) and multiplied with `tl.dot` on int8 operands (int32
+accumulation, exact; `wgmma ... s8` on sm_90), one dot per 32-value sub-block (the int8 MMA's
+k), and the scales applied per (row, sub-block) x (column, sub-block) in float32:
+
+    acc[n, m] += (d * sc[n, b]) * xd[m, b] * dot - (dmin * mn[n, b]) * xs[m, b]
+
+(the min term for Q4_K/Q5_K; Q6_K's two 16-value scales per sub-block are combined in int32
+from a full and a half-masked dot). The weights are the dot's first operand (rows N are the
+MMA's M: 64 per warp group) and the activations its second (M rows, 16..64 columns): the weight
+tile goes global -> shared (cp.async, pipelined) -> registers in the operand layout, where it is
+unpacked a 32-bit word (4 quants) at a time by inline PTX (shifts that would cross bytes are
+masked by the caller), so no layout conversion of the big int8 tiles is needed; the
+activations stay in shared memory as wgmma's B operand.
+
+Numerics are those of `mmvq` (same activation rounding, exact integer parts, float32 scales);
+`mmq_ref` and `moe_mmq_ref` are the references. Under the Triton interpreter the byte-packed
+PTX is emulated per byte (ASM False).
+
+Letters: M activation rows, N output features, K input features (multiple of 256); MoE: T
+tokens, H hidden, F expert FFN, E experts, S slots, k experts per token, A = T*k assignments.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from moestream.kernels._triton_dequant import check_weight, num_sms
+from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, _i2f, mmvq_ref, use_asm
+from moestream.weights.qtensor import QTensor
+
+MMQ_QTYPES = MMVQ_QTYPES  # Q4_K, Q5_K, Q6_K, Q8_0
+
+Q8_0 = tl.constexpr(8)
+Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
+Q6_K = tl.constexpr(14)
+
+
+def mmq_ref(a: Q8Act, w: QTensor) -> torch.Tensor:
+    """Reference of `mmq`: float32 [M, N] (the same product as `mmvq_ref`)."""
+    return mmvq_ref(a, w)
+
+
+# ---- byte-packed integer ops (4 int8 per 32-bit register) ------------------------------------
+
+
+@triton.jit
+def _packed(x, asm: tl.constexpr):
+    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=tl.uint8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _shr(x, S: tl.constexpr, ASM: tl.constexpr):
+    """x >> S on uint8 [.., 32] tiles, S in 1..4. On the GPU one 32-bit shift of 4 bytes at a
+    time: bits shifted in from the next byte are garbage, so callers mask them off."""
+    if not ASM:
+        return x >> S
+    elif S == 1:
+        return _packed(x, "shr.b32 $0, $1, 1;")
+    elif S == 2:
+        return _packed(x, "shr.b32 $0, $1, 2;")
+    elif S == 3:
+        return _packed(x, "shr.b32 $0, $1, 3;")
+    else:
+        tl.static_assert(S == 4)
+        return _packed(x, "shr.b32 $0, $1, 4;")
+
+
+@triton.jit
+def _shl(x, S: tl.constexpr, ASM: tl.constexpr):
+    """x << S on uint8 tiles, S in 1..4 (bits shifted into the next byte: masked by callers)."""
+    if not ASM:
+        return x << S
+    elif S == 1:
+        return _packed(x, "shl.b32 $0, $1, 1;")
+    elif S == 2:
+        return _packed(x, "shl.b32 $0, $1, 2;")
+    elif S == 3:
+        return _packed(x, "shl.b32 $0, $1, 3;")
+    else:
+        tl.static_assert(S == 4)
+        return _packed(x, "shl.b32 $0, $1, 4;")
+
+
+@triton.jit
+def _bit_to(x, SRC: tl.constexpr, DST: tl.constexpr, ASM: tl.constexpr):
+    """Bits SRC.. of each byte of x moved to DST.. (the caller masks the field)."""
+    if SRC > DST:
+        x = _shr(x, SRC - DST, ASM)
+    elif SRC < DST:
+        x = _shl(x, DST - SRC, ASM)
+    return x
+
+
+@triton.jit
+def _minus32(v, ASM: tl.constexpr):
+    """int8(v - 32) of 6-bit v, bytewise: ((v | 0x80) - 0x20) ^ 0x80 never borrows across."""
+    if ASM:
+        out = _packed(
+            v,
+            "{ .reg .b32 t; or.b32 t, $1, 0x80808080; sub.u32 t, t, 0x20202020; "
+            "xor.b32 $0, t, 0x80808080; }",
+        )
+    else:
+        out = (v.to(tl.int32) - 32).to(tl.uint8)
+    return out.to(tl.int8, bitcast=True)
+
+
+# ---- one 256-value group of BN weight rows against BM activation rows --------------------------
+
+
+@triton.jit
+def _f16(p):
+    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _load32(p):
+    """The 32 bytes at each of p [BN, 1] (uint8 pointers, 2-byte aligned: Q6_K and Q8_0 blocks)
+    as uint8 [BN, 32], from 16-bit loads (byte loads would be one instruction per byte)."""
+    h = tl.load(p.to(tl.pointer_type(tl.int16)) + tl.arange(0, 16)[None, :])  # [BN, 16]
+    lo = (h & 0xFF).to(tl.uint8)
+    hi = ((h >> 8) & 0xFF).to(tl.uint8)
+    return tl.reshape(tl.join(lo, hi), [p.shape[0], 32])
+
+
+@triton.jit
+def _k_scale_min(h1, h2, h3, S: tl.constexpr):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block S from the scale bytes as words h1, h2, h3
+    (bytes 0-3, 4-7, 8-11; layout of `mmvq._k_scale_min_words`), float32."""
+    if S < 4:
+        sc = (h1 >> (8 * S)) & 63
+        mn = (h2 >> (8 * S)) & 63
+    else:
+        a = h1 >> (8 * (S - 4))
+        b = h2 >> (8 * (S - 4))
+        pk = h3 >> (8 * (S - 4))
+        sc = (pk & 15) | ((a >> 2) & 48)
+        mn = ((pk >> 4) & 15) | ((b >> 2) & 48)
+    return _i2f(sc), _i2f(mn)
+
+
+@triton.jit
+def _group_q4_k(acc, blk, xk, xd, xs, j, Q5: tl.constexpr, ASM: tl.constexpr):
+    """Add group sb of Q4_K (Q5_K when Q5) rows to acc [BN, BM]. blk [BN] uint8 pointers to
+    the rows' blocks of the group, xk [1, BM] int8 pointers to the activations' first value of
+    the group, xd/xs [BM] to their first block scale, j [32] = arange(32)."""
+    QS: tl.constexpr = 48 if Q5 else 16
+    hdr = blk.to(tl.pointer_type(tl.int32))
+    h0 = tl.load(hdr)
+    h1 = tl.load(hdr + 1)
+    h2 = tl.load(hdr + 2)
+    h3 = tl.load(hdr + 3)
+    d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    rows = blk[:, None] + j[None, :]  # [BN, 32]
+    if Q5:
+        qh = tl.load(rows + 16)  # [BN, 32] bit s: sub-block s
+    for c in tl.static_range(4):
+        qs = tl.load(rows + QS + 32 * c)  # [BN, 32] uint8: sub-blocks 2c (low), 2c + 1 (high)
+        lo = qs & 0x0F
+        hi = _shr(qs, 4, ASM) & 0x0F
+        if Q5:
+            lo = lo | (_bit_to(qh, 2 * c, 4, ASM) & 0x10)
+            hi = hi | (_bit_to(qh, 2 * c + 1, 4, ASM) & 0x10)
+        x = xk + 64 * c + j[:, None]  # [32, BM]
+        p0 = tl.dot(lo.to(tl.int8, bitcast=True), tl.load(x), out_dtype=tl.int32)  # [BN, BM]
+        p1 = tl.dot(hi.to(tl.int8, bitcast=True), tl.load(x + 32), out_dtype=tl.int32)
+        sc0, mn0 = _k_scale_min(h1, h2, h3, 2 * c)
+        sc1, mn1 = _k_scale_min(h1, h2, h3, 2 * c + 1)
+        xd0 = tl.load(xd + 2 * c)[None, :]  # [1, BM]
+        xd1 = tl.load(xd + 2 * c + 1)[None, :]
+        xs0 = tl.load(xs + 2 * c)[None, :]
+        xs1 = tl.load(xs + 2 * c + 1)[None, :]
+        acc = tl.fma((d * sc0)[:, None] * xd0, _i2f(p0), acc)
+        acc = tl.fma((d * sc1)[:, None] * xd1, _i2f(p1), acc)
+        acc = tl.fma(-(dmin * mn0)[:, None], xs0, acc)
+        acc = tl.fma(-(dmin * mn1)[:, None], xs1, acc)
+    return acc
+
+
+@triton.jit
+def _group_q6_k(acc, blk, xk, xd, j, ASM: tl.constexpr):
+    """Add group sb of Q6_K rows (210-byte blocks) to acc [BN, BM]; arguments as
+    `_group_q4_k`. Half n (128 values): ql bytes 64n + l and 64n + 32 + l, qh byte 128 + 32n + l
+    hold values 128n + 32r + l (r = 0..3: low/high nibble of either ql byte, qh bits 2r);
+    int8 scale 192 + 8n + 2r + l // 16 per 16 values; d float16 at 208."""
+    d = _f16(blk + 208)
+    for n in tl.static_range(2):
+        ql0 = _load32(blk[:, None] + 64 * n)  # [BN, 32] uint8
+        ql1 = _load32(blk[:, None] + 64 * n + 32)
+        qh = _load32(blk[:, None] + 128 + 32 * n)
+        for r in tl.static_range(4):
+            ql = ql0 if r % 2 == 0 else ql1
+            low = ql & 0x0F if r < 2 else _shr(ql, 4, ASM) & 0x0F
+            v = _minus32(low | (_bit_to(qh, 2 * r, 4, ASM) & 0x30), ASM)  # [BN, 32] int8
+            xp = xk + 128 * n + 32 * r + j[:, None]  # [32, BM]
+            full = tl.dot(v, tl.load(xp), out_dtype=tl.int32)  # [BN, BM]
+            # values 0..15 alone: the activations' rows 16..31 zeroed (a masked load, so the
+            # weight tile keeps its one path into the operand layout)
+            part = tl.dot(v, tl.load(xp, mask=j[:, None] < 16, other=0), out_dtype=tl.int32)
+            sp = (blk + 192 + 8 * n + 2 * r).to(tl.pointer_type(tl.int8))
+            sa = tl.load(sp).to(tl.int32)[:, None]  # [BN, 1] scale of values 0..15
+            sb = tl.load(sp + 1).to(tl.int32)[:, None]  # 16..31
+            comb = sb * full + (sa - sb) * part  # exact: |comb| < 2^24
+            xd_r = tl.load(xd + 4 * n + r)[None, :]  # [1, BM]
+            acc = tl.fma(d[:, None] * xd_r, comb.to(tl.float32), acc)
+    return acc
+
+
+@triton.jit
+def _group_q8_0(acc, blk, xk, xd, j):
+    """Add group sb of Q8_0 rows (eight 34-byte blocks: float16 d, int8 q[32]) to acc
+    [BN, BM]; arguments as `_group_q4_k`."""
+    for b in tl.static_range(8):
+        q = _load32(blk[:, None] + 34 * b + 2).to(tl.int8, bitcast=True)  # [BN, 32]
+        p = tl.dot(q, tl.load(xk + 32 * b + j[:, None]), out_dtype=tl.int32)  # [BN, BM]
+        dw = _f16(blk + 34 * b)  # [BN]
+        acc = tl.fma(dw[:, None] * tl.load(xd + b)[None, :], _i2f(p), acc)
+    return acc
+
+
+@triton.jit
+def mmq_tile(w_rows, x_rows, xd_rows, xs_rows, g_lo, GROUPS: tl.constexpr, QTYPE: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """float32 [BLOCK_N, BLOCK_M]: weight rows `w_rows` ([BN] uint8 pointers to row starts)
+    against activation rows (x_rows [BM] int8 pointers to q, xd_rows/xs_rows [BM] float32
+    pointers to d/s) over groups g_lo .. g_lo + GROUPS - 1, summed in order."""
+    GB: tl.constexpr = (
+        272 if QTYPE == Q8_0 else 144 if QTYPE == Q4_K else 176 if QTYPE == Q5_K else 210
+    )  # noqa: E501
+    j = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for i in range(0, GROUPS):
+        g = g_lo + i
+        blk = w_rows + g * GB  # [BN]
+        xk = x_rows[None, :] + g * 256  # [1, BM]
+        xd = xd_rows + g * 8  # [BM]
+        if QTYPE == Q8_0:
+            acc = _group_q8_0(acc, blk, xk, xd, j)
+        elif QTYPE == Q6_K:
+            acc = _group_q6_k(acc, blk, xk, xd, j, ASM)
+        else:
+            tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmq: unsupported type")  # noqa: SIM109
+            acc = _group_q4_k(acc, blk, xk, xd, xs_rows + g * 8, j, QTYPE == Q5_K, ASM)
+    return acc
+
+
+# ---- dense ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mmq_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_dm, stride_wn,
+                stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr, QTYPE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_k = tl.program_id(2)
+    w_rows = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn  # [BN]
+    mc = tl.minimum(m, M - 1).to(tl.int64)  # rows past M repeat row M - 1 (not stored)
+    acc = mmq_tile(
+        w_rows, xq_ptr + mc * stride_xm, xd_ptr + mc * stride_dm, xs_ptr + mc * stride_dm,
+        pid_k * GROUPS_PER_SPLIT, GROUPS_PER_SPLIT, QTYPE, BLOCK_N, BLOCK_M, ASM,
+    )  # [BN, BM]  # fmt: skip
+    dst = out_ptr + pid_k * stride_os + m[None, :] * stride_om + n[:, None]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(m[None, :] < M) & (n[:, None] < N))
+
+
+class MmqConfig(NamedTuple):
+    """Launch shape of the MMQ kernels: activation rows and weight rows per program (BLOCK_M a
+    power of two >= 16, BLOCK_N a multiple of 64), K splits (dense only), warps, pipeline
+    stages."""
+
+    block_m: int = 16
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def warps_for(block_m: int) -> int:
+    """4 warps (one warp group) for 16 activation rows, 8 above: with 4, the float32 scale
+    arithmetic of 32 or 64 columns spilled registers in the sm_90 build (Q6_K at 32, Q4_K at
+    64); with 8 it did not."""
+    return 4 if block_m <= 16 else 8
+
+
+def mmq_config(m: int, n: int, k: int, sms: int) -> MmqConfig:
+    """BLOCK_M the power of two >= M in 16..64, BLOCK_N 64, `warps_for`; K split in two while
+    the column blocks fill under two waves of the SMs and each split keeps at least 4 groups.
+    The split does not depend on M, so a row's result should not depend on the batch: every
+    (row, column) runs the same float operations in the same order whatever tile holds it,
+    the integer dots being exact (tested under the interpreter; to confirm on the GPU).
+    Untuned: to sweep on the GPU (`bench/mmq_gpu.py`)."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 64
+    programs = triton.cdiv(n, block_n)
+    groups = k // 256
+    split = 1
+    while programs * split < 2 * sms and groups % (2 * split) == 0 and groups // split >= 8:
+        split *= 2
+    return MmqConfig(block_m, block_n, split, warps_for(block_m), 3)
+
+
+def _check_config(cfg: MmqConfig) -> None:
+    if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n % 64:
+        raise ValueError(f"{cfg}: BLOCK_M must be a power of two >= 16, BLOCK_N a multiple of 64")
+
+
+def mmq(
+    a: Q8Act,
+    w: QTensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    config: MmqConfig | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x @ dequant(w).T for activations quantized by `quantize_q8` -> out_dtype.
+
+    `w` a 2-D QTensor of a type in MMQ_QTYPES with K = a.k (a multiple of 256); any M. Q4_K and
+    Q5_K rows whose bytes start 16-byte aligned (as stacked GGUF tensors do) are copied with
+    16-byte cp.async; Q6_K and Q8_0 blocks are 2-byte aligned and read 16 bits at a time.
+    `out`, when given, is an [M, N] tensor with unit last stride that receives the result.
+    With a K split the float32 partial sums are added in split order (deterministic)."""
+    check_weight(w, 2)
+    if w.qtype not in MMQ_QTYPES:
+        raise ValueError(f"mmq: no kernel for {w.qtype.name}")
+    m, k = a.rows, a.k
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"activations have K={k}, weight {w.shape}")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.q.device)
+    elif out.shape != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit last stride")
+    if m == 0:
+        return out
+    cfg = config or mmq_config(m, n, k, num_sms(a.q.device))
+    _check_config(cfg)
+    groups = k // 256
+    if groups % cfg.split_k:
+        raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
+    if cfg.split_k == 1:
+        dst, stride_os = out, 0
+    else:
+        dst = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device)
+        stride_os = dst.stride(0)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
+    _mmq_kernel[grid](
+        a.q.view(torch.int8), a.d, a.s, w.data, dst, m, n, 4 * a.q.stride(0), a.d.stride(0),
+        w.data.stride(0), stride_os, dst.stride(-2), GROUPS_PER_SPLIT=groups // cfg.split_k,
+        QTYPE=int(w.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        out.copy_(dst.sum(dim=0))  # [M, N], fixed order
+    return out
+
+
+# ---- fused MoE ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
+    A, E, stride_xm, stride_dm, stride_ge, stride_gn, stride_ue, stride_un,
+    F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (block of BLOCK_M assignments of one expert, BLOCK_N rows of F): gate and up
+    against the assignments' tokens, h = silu(g) * u stored float32 into h [A, F]."""
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:  # a spare block past the last expert's
+        return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    assign = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    valid = assign < A
+    token = tl.where(valid, assign // TOPK, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, F - 1).to(tl.int64)
+    xq, xd, xs = xq_ptr + token * stride_xm, xd_ptr + token * stride_dm, xs_ptr + token * stride_dm
+    g_rows = g_ptr + slot * stride_ge + nc * stride_gn  # [BN]
+    u_rows = u_ptr + slot * stride_ue + nc * stride_un
+    g = mmq_tile(g_rows, xq, xd, xs, 0, H_GROUPS, QG, BLOCK_N, BLOCK_M, ASM)  # [BN, BM]
+    u = mmq_tile(u_rows, xq, xd, xs, 0, H_GROUPS, QU, BLOCK_N, BLOCK_M, ASM)
+    h = g * tl.sigmoid(g) * u
+    dst = h_ptr + assign[None, :].to(tl.int64) * F + n[:, None]
+    tl.store(dst, h, mask=valid[None, :] & (n[:, None] < F))
+
+
+@triton.jit
+def _moe_down_kernel(
+    hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr, y_ptr,
+    A, E, H, stride_de, stride_dn,
+    F: tl.constexpr, QD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (block of BLOCK_M assignments of one expert, BLOCK_N rows of H): the down
+    projection of the assignments' quantized h, times their routing weights, into y [A, H]."""
+    pid_b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_b)
+    if expert >= E:
+        return
+    slot = tl.load(slot_ptr + expert).to(tl.int64)
+    assign = tl.load(sorted_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    valid = assign < A
+    ac = tl.where(valid, assign, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nc = tl.minimum(n, H - 1).to(tl.int64)
+    d_rows = d_ptr + slot * stride_de + nc * stride_dn  # [BN]
+    hq, hd, hs = hq_ptr + ac * F, hd_ptr + ac * (F // 32), hs_ptr + ac * (F // 32)
+    y = mmq_tile(d_rows, hq, hd, hs, 0, F // 256, QD, BLOCK_N, BLOCK_M, ASM)  # [BN, BM]
+    weight = tl.load(weights_ptr + ac).to(tl.float32)  # [BM]
+    dst = y_ptr + ac[None, :] * H + n[:, None]
+    tl.store(dst, y * weight[None, :], mask=valid[None, :] & (n[:, None] < H))
+
+
+def moe_mmq_config(a: int, num_experts: int) -> MmqConfig:
+    """BLOCK_M from the mean assignments per expert (16, 32, 64), BLOCK_N 64, `warps_for`.
+    Depends on (A, E) only, never on the routing."""
+    per = a / num_experts
+    block_m = 16 if per <= 16 else 32 if per <= 32 else 64
+    return MmqConfig(block_m, 64, 1, warps_for(block_m), 3)
+
+
+def moe_mmq_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of `moe_mmq` -> float32 [T, H]: the quantization points of the "mmvq" path
+    (x and h rounded to q8 blocks), so `moe.moe_mmvq_ref`."""
+    from moestream.kernels.moe import moe_mmvq_ref
+
+    return moe_mmvq_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+
+
+def moe_mmq(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: MmqConfig | None = None,
+) -> torch.Tensor:
+    """The MoE FFN on the int8 tensor cores: same contract as `moe.fused_moe` -> [T, H] in x's
+    dtype (gate, up [S, F, H], down [S, H, F] of MMQ_QTYPES; expert_slot [E] int32 maps every
+    routed expert to a slot, not checked on the device).
+
+    Four launches after `quantize_q8(x)`: assignments grouped by expert on the device
+    (`moe.align_assignments`, no sync); gate and up per (block of BLOCK_M assignments of one
+    expert, BLOCK_N rows of F), SiLU fused, h [A, F] float32; `quantize_q8(h)`; down per
+    (block, BLOCK_N rows of H), scaled by the routing weight into y [A, H] float32; the k rows
+    of each token summed in selection order (deterministic, no atomics)."""
+    from moestream.kernels.mmvq import quantize_q8
+    from moestream.kernels.moe import align_assignments, check_moe_args
+
+    if expert_slot is None:
+        raise ValueError("moe_mmq needs expert_slot")
+    check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if w.qtype not in MMQ_QTYPES:
+            raise ValueError(f"moe_mmq: {name} is {w.qtype.name}, no kernel")
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    f = gate.shape[1]
+    a = t * k
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    elif out.shape != (t, h) or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{t}, {h}] {x.dtype} with unit last stride")
+    if t == 0:
+        return out
+    num_experts = expert_slot.shape[0]
+    cfg = config or moe_mmq_config(a, num_experts)
+    _check_config(cfg)
+    asm = use_asm(x.device)
+    sorted_ids, block_expert = align_assignments(topk_ids, num_experts, cfg.block_m)
+    num_blocks = block_expert.shape[0]
+    xa = quantize_q8(x)  # [T, H] -> q8 blocks
+    hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(f, cfg.block_n))](
+        xa.q.view(torch.int8), xa.d, xa.s, sorted_ids, block_expert, expert_slot, gate.data,
+        up.data, hidden, a, num_experts, 4 * xa.q.stride(0), xa.d.stride(0),
+        gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1),
+        F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    ha = quantize_q8(hidden)  # [A, F] -> q8 blocks
+    y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
+    _moe_down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
+        ha.q.view(torch.int8), ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data,
+        topk_weights, y, a, num_experts, h, down.data.stride(0), down.data.stride(1),
+        F=f, QD=int(down.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order
+    return out
+
+
+__all__ = [
+    "MMQ_QTYPES",
+    "MmqConfig",
+    "mmq",
+    "mmq_config",
+    "mmq_ref",
+    "moe_mmq",
+    "moe_mmq_config",
+    "moe_mmq_ref",
+]

@@ -1,0 +1,114 @@
+"""MMQ (int8 tensor-core quantized matmul, dense and fused MoE) against its torch references, on
+random GGUF blocks (every bit pattern of the quants and packed scales) and quantized weights.
+Without CUDA the Triton interpreter runs the kernels on the CPU (byte-packed PTX emulated)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from moestream.kernels.mmq import (  # noqa: E402
+    MmqConfig,
+    mmq,
+    mmq_config,
+    mmq_ref,
+    moe_mmq,
+    moe_mmq_config,
+    moe_mmq_ref,
+)
+from moestream.kernels.mmvq import quantize_q8  # noqa: E402
+from tests.kernels.test_moe_kernel import rel_err, routing, stacked  # noqa: E402
+from tests.kernels.test_quant_matmul import activations, quantized, random_blocks  # noqa: E402
+
+T = GGMLQuantizationType
+TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 9, 17, 33])
+def test_mmq_random_blocks(qtype: GGMLQuantizationType, m: int) -> None:
+    n, k = (96, 512) if m < 17 else (64, 256)  # 96: a partial column block
+    w = random_blocks(qtype, n, k, seed=int(qtype) + m)
+    a = quantize_q8(activations(m, k, torch.float32, seed=m))
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    y = mmq(a, w, out=out, config=MmqConfig(block_m=16 if m < 17 else 32, block_n=64))
+    assert rel_err(y, mmq_ref(a, w)) < 2e-5
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_mmq_split_k_close_to_float_and_batch_invariant(qtype: GGMLQuantizationType) -> None:
+    w = quantized(qtype, (64, 1024), seed=3)
+    x = activations(17, 1024, torch.float32, seed=4)
+    cfg = MmqConfig(block_m=32, block_n=64, split_k=2)
+    y = mmq(quantize_q8(x), w, config=cfg)
+    assert rel_err(y, mmq_ref(quantize_q8(x), w)) < 2e-5
+    exact = x @ w.dequantize(torch.float32).t()
+    assert rel_err(y, exact) < 2e-2  # 8-bit activations
+    # a row gives the same bits alone (a 16-row tile) as in a 32-row tile of 17
+    one = mmq(quantize_q8(x[5:6]), w, config=cfg._replace(block_m=16))
+    assert torch.equal(one[0], y[5])
+
+
+def test_mmq_config_and_bad_input() -> None:
+    cfg = mmq_config(8, 4096, 2048, sms=132)
+    assert cfg.block_m == 16 and cfg.split_k == 2  # 64 column blocks: under two waves
+    assert mmq_config(64, 4096, 2048, sms=132).split_k == cfg.split_k  # independent of M
+    assert mmq_config(64, 151936, 2048, sms=132) == MmqConfig(64, 64, 1, 8, 3)  # many blocks
+    w = quantized(T.Q4_K, (64, 256), seed=0)
+    with pytest.raises(ValueError, match="K="):
+        mmq(quantize_q8(activations(1, 512, torch.float32, 0)), w)
+    with pytest.raises(ValueError, match="no kernel"):
+        mmq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q2_K, (8, 256), 0))
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        mmq(quantize_q8(activations(1, 256, torch.float32, 0)), w, config=MmqConfig(8, 64))
+
+
+H, FF = 256, 256  # hidden, expert FFN
+E, S = 6, 5  # experts, weight slots: expert 5 has no slot and is never routed to
+SLOT = [3, 0, 4, 1, 2, -1]  # a permutation of the slots
+
+
+@pytest.mark.parametrize(
+    "qtypes, t, k, experts, block_m",
+    [
+        ((T.Q4_K, T.Q5_K, T.Q6_K), 5, 2, [0, 1, 3, 4], 16),  # expert 2 gets no token
+        ((T.Q8_0, T.Q8_0, T.Q4_K), 20, 2, [1, 3], 16),  # 20 rows per expert: two blocks each
+        ((T.Q6_K, T.Q6_K, T.Q8_0), 9, 3, [0, 1, 2, 3, 4], 32),
+    ],
+)
+def test_moe_mmq_matches_reference(qtypes, t, k, experts, block_m) -> None:
+    gate = stacked(qtypes[0], (S, FF, H), seed=1)
+    up = stacked(qtypes[1], (S, FF, H), seed=2)
+    down = stacked(qtypes[2], (S, H, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids, weights = routing(t, k, experts, seed=t)
+    x = activations(t, H, torch.float32, seed=t + 1)
+    out = torch.full((t, H), float("nan"), device=DEVICE)
+    cfg = MmqConfig(block_m=block_m, block_n=64)
+    moe_mmq(x, ids, weights, gate, up, down, slot, out=out, config=cfg)
+    # h is rounded to 8 bits from float32 sums taken in another order than the reference's:
+    # a value on a rounding boundary may land one step away
+    assert rel_err(out, moe_mmq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+
+
+def test_moe_mmq_config_and_bad_input() -> None:
+    assert moe_mmq_config(8 * 8, 128).block_m == 16
+    assert moe_mmq_config(1024 * 8, 128).block_m == 64
+    gate = stacked(T.Q4_K, (S, FF, H), seed=1)
+    down = stacked(T.Q2_K, (S, H, FF), seed=3)
+    ids, weights = routing(2, 2, [0, 1], seed=0)
+    x = activations(2, H, torch.float32, seed=0)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="no kernel"):
+        moe_mmq(x, ids, weights, gate, gate, down, slot)
+    with pytest.raises(ValueError, match="expert_slot"):
+        moe_mmq(x, ids, weights, gate, gate, gate, None)
