@@ -3,21 +3,28 @@
 out[t] = sum_j w[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]),  s = expert_slot[topk_ids[t, j]]
 
 Expert weights are found through the device-side `expert_slot` table, so no host round trip is
-needed when the experts are in place. Three paths (`default_method` picks by A and types):
-- decode, integer dots ("mmvq", T*k <= MMVQ_MAX_ASSIGNMENTS, Q4_K/Q5_K/Q6_K/Q8_0): x rounded
+needed when the experts are in place. Five paths (`default_method` picks by A, types, device):
+- decode, integer dots ("mmvq", T*k <= MMVQ_DEFAULT_MAX_ASSIGNMENTS by default and at most
+  MMVQ_MAX_ASSIGNMENTS, Q4_K/Q5_K/Q6_K/Q8_0): x rounded
   to q8 blocks (`kernels.mmvq`, one launch), then one program per (assignment, 32 F rows) for
   gate and up with SiLU and h's q8 rounding fused, then one program per (token, block of H
   rows) that unrolls the token's k experts over one tile (scalar ids and pointers), routing
   weight folded into the block scales, written straight into out [T, H]: three launches.
+- batched decode, int8 tensor cores ("mmq", up to MMQ_MAX_ASSIGNMENTS, same types;
+  `kernels.mmq.moe_mmq`): assignments grouped by expert, weights unpacked to int8 and
+  multiplied with q8 activations by `tl.dot` per sub-block of 32, block scales in float32.
+- large batches and prefill with bf16 activations on sm_90 ("dequant", `kernels.dequant_mm`):
+  the routed experts dequantized to bf16, torch's grouped GEMM for gate+up and for down.
 - decode, float ("gemv", T*k <= GEMV_MAX_ASSIGNMENTS, other types): GEMV-style, two launches.
   Stage 1 runs one program per (assignment, block of F rows) for gate and up together, SiLU
   fused, h [T*k, F] float32;
   stage 2 one program per (token, block of H rows) that walks the token's k experts in selection
   order and writes the routing-weighted sum straight into out [T, H].
-- prefill (two launches): tokens grouped by expert (`align_assignments`, device-side torch ops,
-  no sync) into blocks of BLOCK_M assignments of one expert; stage 1 is a grouped GEMM with
-  gate and up dequantized per tile and `tl.dot`, SiLU fused, h [T*k, F] in x's dtype; stage 2
-  a grouped GEMM whose rows are scaled by their routing weight into y [T*k, H] float32, summed
+- other prefill cases ("gemm", two launches): tokens grouped by expert (`align_assignments`,
+  device-side torch ops, no sync) into blocks of BLOCK_M assignments of one expert; stage 1 is
+  a grouped GEMM with gate and up dequantized per tile and `tl.dot`, SiLU fused, h [T*k, F] in
+  x's dtype; stage 2 a grouped GEMM whose rows are scaled by their routing weight into
+  y [T*k, H] float32, summed
   over k in a fixed order afterwards (deterministic, no atomics).
 
 Letters: T tokens, H hidden, F expert FFN, E experts, S weight slots, k experts per token,
@@ -52,6 +59,13 @@ GEMV_MAX_ASSIGNMENTS = 64  # the float GEMV path's limit
 # (each assignment reads its expert once; distinct experts grow slower), which would keep it
 # under 4 x 179 = 716 us up to A=256, below the GEMM. To confirm on a GPU.
 MMVQ_MAX_ASSIGNMENTS = 256
+# The default path by assignments A, for MMVQ_QTYPES. H200, Qwen3-30B-A3B layer, Q4_K/Q6_K
+# (bench/mmq_gpu.py, bench/kernels_gpu.py): mmvq / mmq / dequantize + grouped GEMM at T=8
+# 172 / 251 / - us, T=16 316 / 333 / -, T=32 597 / 459 / 990, T=64 1145 / 517 / 1088,
+# T=512 - / - / 1213. mmq was not timed above T=64: its limit of A=1024 (T=128) is an estimate
+# (it grew 459 -> 517 us from T=32 to 64, with every expert already read).
+MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
+MMQ_MAX_ASSIGNMENTS = 1024
 
 
 @triton.jit
@@ -260,13 +274,17 @@ class MoeMmvqConfig(NamedTuple):
 def default_method(
     a: int, gate: QTensor, up: QTensor, down: QTensor, x: torch.Tensor | None = None
 ) -> str:
-    """The path for A assignments: integer-dot "mmvq" up to MMVQ_MAX_ASSIGNMENTS where all
-    three types have it, else the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
+    """The path for A assignments: where all three types are MMVQ_QTYPES, integer-dot "mmvq" up
+    to MMVQ_DEFAULT_MAX_ASSIGNMENTS and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
+    the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
     (bf16 weights and torch's grouped GEMM) where `dequant_mm.grouped_mm_available` for x
     (bfloat16 on CUDA), else the grouped Triton GEMM. Depends on (A, types, device, dtype) only,
     never on the routing (row results stay independent of other tokens' experts)."""
-    if a <= MMVQ_MAX_ASSIGNMENTS and all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
-        return "mmvq"
+    if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+        if a <= MMVQ_DEFAULT_MAX_ASSIGNMENTS:
+            return "mmvq"
+        if a <= MMQ_MAX_ASSIGNMENTS:
+            return "mmq"
     if a <= GEMV_MAX_ASSIGNMENTS:
         return "gemv"
     if x is not None and _dequant_ok(x):
@@ -502,6 +520,10 @@ def fused_moe(
             UNROLL=unroll_for(f // 256), num_warps=4,
         )  # fmt: skip
         return out
+    if method == "mmq":
+        from moestream.kernels.mmq import moe_mmq
+
+        return moe_mmq(x, topk_ids, topk_weights, gate, up, down, expert_slot, out=out)
     if method == "dequant":
         from moestream.kernels.dequant_mm import moe_dequant_grouped
 
@@ -509,7 +531,7 @@ def fused_moe(
             raise ValueError(f"dequant: no grouped GEMM for {x.dtype} on {x.device}")
         return moe_dequant_grouped(x, topk_ids, topk_weights, gate, up, down, expert_slot, out)
     if method != "gemm":
-        raise ValueError(f"method must be 'mmvq', 'gemv', 'gemm' or 'dequant', got {method!r}")
+        raise ValueError(f"method must be mmvq, mmq, gemv, gemm or dequant, got {method!r}")
     num_experts = expert_slot.shape[0]
     block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
         a / num_experts, x.dtype

@@ -50,6 +50,10 @@ MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 # (bench/kernels_gpu.py --only dequant): equal at 16 rows, 2-2.5x faster from 32 rows
 # (N=12288 K=4096 Q4_K: 87.5 vs 172.2 us), 661 vs 42 TFLOP/s at 4096 rows.
 DEQUANT_MIN_M = 32
+# Rows from which weights of MMVQ_QTYPES take the int8 tensor-core kernel (`kernels.mmq`) below
+# DEQUANT_MIN_M. H200, N=12288 K=4096 Q4_K (bench/mmq_gpu.py): M=8 34.8 us (mmvq 140.3),
+# M=16 39.7 us (dequantize + cuBLAS 71.0); mmvq stays for 1-2 rows (23.4 / 33.0 us).
+MMQ_MIN_M = 3
 INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
 INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
 _BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
@@ -115,8 +119,9 @@ def _use_kernels(x: torch.Tensor, *weights: QTensor) -> bool:
 def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
-    On the kernel path, up to MMVQ_MAX_M rows of a weight in MMVQ_QTYPES go to the integer-dot
-    decode kernel, up to GEMV_MAX_M rows of other types to the float GEMV, from DEQUANT_MIN_M rows
+    On the kernel path, weights in MMVQ_QTYPES take the integer-dot decode kernel below
+    MMQ_MIN_M rows and the int8 tensor-core kernel from there to DEQUANT_MIN_M; up to
+    GEMV_MAX_M rows of other types go to the float GEMV; from DEQUANT_MIN_M rows
     to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM; in batch-invariant
     mode `invariant_quant_matmul` (and fixed row chunks for other weights).
     """
@@ -134,10 +139,15 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         x2 = x2.contiguous()
     if invariant:
         y = invariant_quant_matmul(x2, w)
-    elif x2.shape[0] <= MMVQ_MAX_M and w.qtype in MMVQ_QTYPES:
+    elif x2.shape[0] < MMQ_MIN_M and w.qtype in MMVQ_QTYPES:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
         y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
+    elif x2.shape[0] < DEQUANT_MIN_M and w.qtype in MMVQ_QTYPES:
+        from moestream.kernels.mmq import mmq
+        from moestream.kernels.mmvq import quantize_q8
+
+        y = mmq(quantize_q8(x2), w, out_dtype=x2.dtype)
     elif x2.shape[0] <= GEMV_MAX_M:
         from moestream.kernels.quant_gemv import quant_gemv
 

@@ -121,5 +121,5 @@ def test_moe_dequant_grouped_matches_reference(dtype):
     assert err < (1e-5 if dtype == torch.float32 else 2e-2)
     again = fused_moe(x, ids, weights, gate, up, down, slot, method="dequant")
     assert torch.equal(again, out)  # deterministic: no atomics
-    assert default_method(257, gate, up, down, x) == "dequant"
-    assert default_method(257, gate, up, down) == "gemm"  # no activation: no device to ask
+    assert default_method(1025, gate, up, down, x) == "dequant"
+    assert default_method(1025, gate, up, down) == "gemm"  # no activation: no device to ask

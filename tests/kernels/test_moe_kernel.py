@@ -111,8 +111,10 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
               block_n=64)  # fmt: skip
     assert torch.equal(one[0], out[-1])
     assert default_method(t * k, gate, up, down) == "mmvq"
-    assert default_method(256, gate, up, down) == "mmvq"
-    assert default_method(257, gate, up, down) == "gemm"
+    assert default_method(128, gate, up, down) == "mmvq"
+    assert default_method(129, gate, up, down) == "mmq"
+    assert default_method(1024, gate, up, down) == "mmq"
+    assert default_method(1025, gate, up, down) == "gemm"
     q3 = stacked(T.Q3_K, (1, 256, 256), seed=9)
     assert default_method(64, q3, up, down) == "gemv"
     assert default_method(65, q3, up, down) == "gemm"
