@@ -1,5 +1,5 @@
-"""Speculative decoding on the trained tiny pair on the CPU: tau and speedup over plain decode,
-in one process, for copy-heavy and prose prompts.
+"""Speculative decoding on the trained tiny pair (CPU, or `--device cuda`): tau and speedup
+over plain decode, in one process, for copy-heavy and prose prompts.
 
     OMP_NUM_THREADS=1 python bench/spec_figures.py [--tokens 128] [--prompts 3] [--rounds 3]
                                                    [--json out.json]
@@ -45,6 +45,8 @@ MODES = {
 
 
 def commit() -> str:
+    if os.environ.get("MOESTREAM_COMMIT"):  # a copy of the tree without .git
+        return os.environ["MOESTREAM_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
@@ -56,7 +58,7 @@ def commit() -> str:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    llm = LLM(DEMO_MODEL, device="cpu", enable_prefix_caching=False)
+    llm = LLM(DEMO_MODEL, device=args.device, enable_prefix_caching=False)
     engine = llm.engine
     specs = {name: engine.build_speculator(cfg) for name, cfg in MODES.items()}
     results: dict = {}
@@ -122,6 +124,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--json", default=None, help="also write the raw figures here")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = p.parse_args()
     start = time.time()
     results = run(args)
