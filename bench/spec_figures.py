@@ -58,7 +58,8 @@ def commit() -> str:
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
-    llm = LLM(DEMO_MODEL, device=args.device, enable_prefix_caching=False)
+    kv = {"kv_cache_gib": 2.0} if args.device != "cpu" else {}  # the draft needs room too
+    llm = LLM(DEMO_MODEL, device=args.device, enable_prefix_caching=False, **kv)
     engine = llm.engine
     specs = {name: engine.build_speculator(cfg) for name, cfg in MODES.items()}
     results: dict = {}

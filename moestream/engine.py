@@ -93,6 +93,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
         self._speculator = speculator
+        self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
 
@@ -234,19 +235,28 @@ class Engine:
     def step(self) -> list[EngineOutput]:
         """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
         for requests that got tokens."""
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
-        start = time.perf_counter()
         result = self.runner.execute(plan)
         spec = self._speculator
         if spec is not None:
-            # A step that sampled ended in a host synchronisation: its time is the device's.
-            seconds = time.perf_counter() - start if result.sampled else None
-            spec.observe(plan, result.sampled, seconds)
+            spec.observe(plan, result.sampled)  # acceptance and releases
         outputs = self._commit(plan, result)
         if spec is not None:
+            # The picker is fed what a step costs end to end, the same way for plain and
+            # speculative steps: schedule, forward (a step that sampled ended in a host sync),
+            # commit, plus the host work that made this step's drafts (proposers, picker; a
+            # draft model's forwards are priced on their own). Where a step takes a fraction of
+            # a millisecond (small models on a GPU) the host work decides whether drafts pay.
+            if result.sampled and plan.num_tokens > 0:
+                seconds = time.perf_counter() - start + self._draft_host_seconds
+                spec.record_step_time(plan.num_tokens, seconds)
+            t0 = time.perf_counter()
             self._propose_drafts(spec)
+            host = time.perf_counter() - t0 - spec.draft_forward_seconds
+            self._draft_host_seconds = max(0.0, host)
         return outputs
 
     def _commit(self, plan: StepPlan, result: RunnerOutput) -> list[EngineOutput]:

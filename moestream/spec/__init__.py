@@ -10,8 +10,9 @@ How the engine uses it (moestream/engine.py):
     plan = scheduler.schedule()            # feeds Request.draft_token_ids as drafts
     result = runner.execute(plan)          # one forward pass: prefill chunks, plain decodes
                                            # and every request's drafts; ends in a host sync
-    speculator.observe(plan, result.sampled, seconds)   # step cost, acceptance, releases
+    speculator.observe(plan, result.sampled)   # acceptance, releases
     outputs = commit(plan, result)         # scheduler.update takes [d_0..d_{a-1}, t]
+    speculator.record_step_time(plan.num_tokens, seconds)   # schedule..commit + drafting host
     speculator.draft(running requests that decode next, base_tokens)   # next step's drafts
 
 The runner gives a request with k drafts k + 1 logits rows (its last fed token, then each

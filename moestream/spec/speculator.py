@@ -20,11 +20,14 @@ class Speculator:
     """Proposers, picker and counters together: all the engine calls for speculation.
 
     Each step (the integration recipe is in `moestream/spec/__init__.py`):
-    1. after the runner ran `plan` (verifying drafts) in `seconds`:
-       `observe(plan, sampled, seconds)` records the step time, the acceptance of every
-       verified request, and drops state of preempted and finished requests;
-    2. after the scheduler committed the step: `draft(scheduler.running)` sets
-       `Request.draft_token_ids` of the requests that decode next; the scheduler feeds them.
+    1. after the runner ran `plan` (verifying drafts): `observe(plan, sampled)` records the
+       acceptance of every verified request and drops state of preempted and finished requests;
+    2. after the scheduler committed the step: `record_step_time(n, seconds)` with the step's
+       whole cost (schedule, forward, commit, and the host work of drafting for it: for small
+       models on a GPU that host work is what decides whether drafts pay), then
+       `draft(scheduler.running)` sets `Request.draft_token_ids` of the requests that decode
+       next (`draft_forward_seconds` then holds its draft-model forwards); the scheduler feeds
+       them.
     Drafts are guesses: the output never depends on them, only the speed does.
     """
 
@@ -44,6 +47,7 @@ class Speculator:
         self.stats = SpecStats()
         self._pending: dict[str, Choice] = {}  # drafts handed out, awaiting verification
         self._probs: dict[str, Any] = {}
+        self.draft_forward_seconds = 0.0  # draft-model forwards of the last `propose`
 
     @classmethod
     def from_config(
@@ -112,6 +116,7 @@ class Speculator:
         self, inputs: Sequence[ProposalInput], base_tokens: int | None = None
     ) -> dict[str, Proposal]:
         """Proposals for the requests the picker lets speculate this step."""
+        self.draft_forward_seconds = 0.0
         inputs = [i for i in inputs if i.num_drafts >= 1]
         for inp in inputs:
             self._pending.pop(inp.request_id, None)
@@ -145,7 +150,9 @@ class Speculator:
                 ks = [choices[i.request_id].k for i in chosen]
                 t0 = time.perf_counter()
                 props = p.propose([replace(i, num_drafts=k) for i, k in zip(chosen, ks)])
-                self.picker.record_draft_time(name, len(chosen), max(ks), time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                self.draft_forward_seconds += seconds
+                self.picker.record_draft_time(name, len(chosen), max(ks), seconds)
             else:
                 props = free[name]
             for inp in chosen:

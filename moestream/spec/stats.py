@@ -171,18 +171,26 @@ class StepCostModel:
         self.alpha = alpha
         self._sizes: list[int] = []  # sorted
         self._seconds: dict[int, float] = {}
+        self._count: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._sizes)
 
     def record(self, n: int, seconds: float) -> None:
+        """A step of n took `seconds`. The first step of each size often pays one-off costs
+        (kernel compilation, CUDA graph capture: 100x a step); it stands only until the second
+        measurement replaces it, after which an EMA follows."""
         if n < 1 or seconds < 0:
             raise ValueError(f"step of {n} tokens took {seconds} s")
-        old = self._seconds.get(n)
-        if old is None:
+        count = self._count.get(n, 0)
+        self._count[n] = count + 1
+        if count == 0:
             bisect.insort(self._sizes, n)
             self._seconds[n] = seconds
+        elif count == 1:
+            self._seconds[n] = seconds
         else:
+            old = self._seconds[n]
             self._seconds[n] = old + self.alpha * (seconds - old)
 
     def measured(self) -> dict[int, float]:

@@ -153,10 +153,21 @@ def test_step_cost_bounds():
     assert c.upper(4) == 4.0 and c.lower(4) == 2.0  # min(t8, t2*4/2), max(t2, t8*4/8)
     assert c.upper(1) == 2.0 and c.lower(1) == 1.0
     assert c.upper(16) == 8.0 and c.lower(16) == 4.0
-    c.record(8, 6.0)  # EMA
+    c.record(8, 6.0)  # the second measurement replaces the first (a warm-up's one-off costs)
+    assert c.measured() == {2: 2.0, 8: 6.0}
+    c.record(8, 4.0)  # then an EMA
     assert c.measured() == {2: 2.0, 8: 5.0}
     c.record(3, 1.0)  # noise: 3 tokens measured faster than 2
     assert c.uppers(2, 3) == [2.0, 2.0, 2.0]
+
+
+def test_step_cost_forgets_a_warm_up_step():
+    """A first step of 200 (graph capture) must not make that size look dear for long."""
+    c = StepCostModel(alpha=0.2)
+    c.record(1, 200.0)
+    c.record(1, 1.0)
+    c.record(1, 1.0)
+    assert c.measured() == {1: 1.0}
 
 
 def test_acceptance_ema_updates_reached_positions_only():
