@@ -73,8 +73,8 @@ def dense_case(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> bool:
 
 
 def moe_case(t: int, gen: torch.Generator, reps: int) -> bool:
-    from moestream.kernels.mmq import moe_mmq, moe_mmq_ref
     from moestream.kernels.moe import fused_moe
+    from moestream.kernels.moe_mmq import moe_mmq, moe_mmq_ref
 
     qg, qd = T.Q4_K, T.Q6_K
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)

@@ -521,7 +521,7 @@ def fused_moe(
         )  # fmt: skip
         return out
     if method == "mmq":
-        from moestream.kernels.mmq import moe_mmq
+        from moestream.kernels.moe_mmq import moe_mmq
 
         return moe_mmq(x, topk_ids, topk_weights, gate, up, down, expert_slot, out=out)
     if method == "dequant":
