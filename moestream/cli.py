@@ -73,7 +73,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument(
-        "--kv-cache-gib", type=float, default=None, help="KV pool size in GiB (default: 1 on CPU)"
+        "--kv-cache-gib",
+        type=float,
+        default=None,
+        help="KV pool size in GiB (default: 1 on CPU; on a GPU 90%% of free memory, less an "
+        "estimate of what a step's activations need)",
     )
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one step")
     g.add_argument(

@@ -297,7 +297,8 @@ class CacheConfig:
     """The paged KV pool: `num_blocks` blocks of `block_size` tokens, sized from a GiB budget."""
 
     block_size: int = 16
-    kv_cache_gib: float | None = None  # None: 1 GiB on CPU, 90% of free memory on GPU
+    kv_cache_gib: float | None = None  # None: 1 GiB on CPU; on a GPU 90% of free memory, less
+    # what a step's activations may need (`Engine._activation_reserve`)
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:

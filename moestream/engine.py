@@ -107,7 +107,7 @@ class Engine:
             budget = cache.kv_cache_gib * 2**30
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.9 * free
+            budget = min(0.9 * free, free - self._activation_reserve())
         else:
             # CPU: enough for a few full-length sequences, at most 1 GiB.
             budget = min(2**30, 4 * self.max_model_len / cache.block_size * bytes_per_block)
@@ -121,6 +121,23 @@ class Engine:
         if cache.kv_cache_gib is None:
             num_blocks = max(num_blocks, need)
         return num_blocks
+
+    def _activation_reserve(self) -> int:
+        """Device bytes a step needs besides weights and the KV pool, an upper estimate: the
+        MoE's bf16 expert copies (`kernels.dequant_mm`, every expert of a layer), the dense
+        path's bf16 weight chunk, per-token activations at the step's token budget (the MoE's
+        per-pair rows in float32 dominate), sampled logits, and 512 MiB for CUDA graphs and the
+        allocator's rounding. Kept out of the default KV budget so that a long prefill cannot
+        run out of memory on a small GPU."""
+        from moestream.kernels.dequant_mm import SCRATCH_BYTES
+
+        c = self.model.config
+        tokens = self.sched_config.max_num_batched_tokens
+        h, k = c.hidden_size, max(c.n_experts_used, 1)
+        experts = c.n_experts * 3 * c.expert_ffn_size * h * 2  # bf16
+        per_token = 64 * h + k * (8 * h + 6 * max(c.expert_ffn_size, c.ffn_size))
+        logits = 2 * self.sched_config.max_num_seqs * c.vocab_size * 4
+        return experts + SCRATCH_BYTES + tokens * per_token + logits + (512 << 20)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

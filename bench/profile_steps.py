@@ -1,0 +1,78 @@
+"""Where a step's time goes: the kernels of one prefill and of a few decode steps, by device time.
+
+    python bench/profile_steps.py MODEL.gguf [--device cuda] [--prefill 512] [--batch 8]
+                                  [--decode-tokens 8] [--rows 25] [--kv-cache-gib 8]
+
+Runs a warm-up of each case first (kernel compilation, autotuning, CUDA graph capture), then
+profiles it with `torch.profiler` and prints the top kernels by self device time (CPU time on a
+CPU run), with call counts, and the wall time of the profiled call. On CUDA it also prints the
+launch shapes the dequantizing kernel's autotuner chose in this process (one line per key), so
+that a slow run can be told apart from an unlucky choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moestream.llm import LLM
+from moestream.types import SamplingParams
+
+
+def profiled(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str, rows: int) -> str:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params)  # warm-up: compile, tune, capture
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    return f"wall {wall * 1e3:.1f} ms\n{table}"
+
+
+def tuned_configs() -> list[str]:
+    """The dequantizing kernel's autotuner choices in this process (CUDA only)."""
+    from moestream.kernels.dequant_mm import _tuned_kernel
+
+    cache = getattr(_tuned_kernel(), "cache", {})
+    return [f"{key}: {cfg}" for key, cfg in cache.items()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("model", help="GGUF file")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill case")
+    p.add_argument("--batch", type=int, default=8, help="requests of the decode case")
+    p.add_argument("--decode-tokens", type=int, default=8, help="tokens per request (decode)")
+    p.add_argument("--rows", type=int, default=25, help="kernels listed per case")
+    p.add_argument("--kv-cache-gib", type=float, default=8.0)
+    args = p.parse_args()
+    llm = LLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+    vocab = llm.engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(100, min(vocab, 30000), (n,), generator=gen).tolist()
+
+    print(f"## prefill, {args.prefill} tokens (one token generated)")
+    print(profiled(llm, [prompt(args.prefill)], 1, args.device, args.rows))
+    print(f"## decode, {args.batch} requests x {args.decode_tokens} tokens (16-token prompts)")
+    batch = [prompt(16) for _ in range(args.batch)]
+    print(profiled(llm, batch, args.decode_tokens, args.device, args.rows))
+    if args.device == "cuda":
+        print("## dequantizing kernel: autotuned launch shapes")
+        print("\n".join(tuned_configs()) or "(none used)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
