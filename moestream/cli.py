@@ -93,6 +93,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "for debugging)",
     )
     g.add_argument(
+        "--weight-cache-gib",
+        type=float,
+        default=0.0,
+        help="keep bf16 copies of up to N GiB of quantized weights (resident experts first) so "
+        "that prefill-size matmuls skip dequantizing them; decode still reads the quantized "
+        "weights (CUDA; default 0: none)",
+    )
+    g.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant GPU kernels: a request's greedy text does not depend on the other "
@@ -295,6 +303,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "enforce_eager": args.enforce_eager,
         "deterministic": args.deterministic,
         "expert_zero_copy": args.expert_zero_copy,
+        "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,
         "host_expert_cache_gib": args.host_expert_cache_gib,

@@ -120,7 +120,9 @@ class LLM:
     what runs beside it), at a cost in prefill speed. `expert_zero_copy` (with
     `gpu_expert_cache_gib`) places experts once instead of streaming them: those that fit the
     device budget on the device, the rest in pinned host memory the GPU reads in place
-    (`experts.zero_copy`).
+    (`experts.zero_copy`). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
+    weights on a GPU (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip
+    dequantizing them: memory for prefill speed; decode and results are unchanged.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class LLM:
         enforce_eager: bool = False,
         deterministic: bool = False,
         expert_zero_copy: bool = False,
+        weight_cache_gib: float = 0.0,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
@@ -183,6 +186,10 @@ class LLM:
             attach_expert_store(self.model, self.expert_store)
         else:
             self.model = build_model(self.source, device=self.device, dtype=act)
+        if weight_cache_gib < 0:
+            raise RequestError(f"weight_cache_gib must be >= 0, got {weight_cache_gib}")
+        # bf16 copies for prefill-size matmuls, taken before the KV pool is sized from what is left
+        self.weight_cache_bytes = self.model.cache_weight_values(int(weight_cache_gib * 2**30))
         self.engine = Engine(
             self.model,
             self.tokenizer,

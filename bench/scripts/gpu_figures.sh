@@ -53,6 +53,10 @@ case $part in
       --decode-depths 0,32768 --decode-tokens 64 --repeats 3
     bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
       --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
+    # bf16 copies of all weights but the head (~58 GiB for the 30B): prefill without dequantizing
+    bench q30wc 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
+      --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
+      --prefix-reuse 32768:31744
     ;;
   experts)
     synth qwen3-30b-a3b q30

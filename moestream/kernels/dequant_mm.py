@@ -147,15 +147,32 @@ def _tuned_kernel() -> triton.runtime.Autotuner:
     )(_dequant_kernel)  # fmt: skip
 
 
+def cache_values(w: QTensor, dtype: torch.dtype) -> int:
+    """Keep a copy of w's values in `dtype` on w's device (`QTensor.values`): the dense and MoE
+    products of this module then skip dequantizing. Returns the bytes it takes."""
+    check_weight(w, len(w.shape))
+    values = torch.empty(w.shape, dtype=dtype, device=w.device)
+    dequantize_rows(w, values)
+    w.values = values
+    return values.numel() * values.element_size()
+
+
+def cached(w: QTensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """w's cached values when they are in `dtype`."""
+    return w.values if w.values is not None and w.values.dtype == dtype else None
+
+
 def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(w [N, K]).T in x's dtype (contract of `quant_gemm`): the
-    weight dequantized to x's dtype in chunks of rows under SCRATCH_BYTES, each chunk multiplied
-    by torch (cuBLAS on CUDA)."""
+    weight dequantized to x's dtype in chunks of rows under SCRATCH_BYTES (or its cached values,
+    `cache_values`), each chunk multiplied by torch (cuBLAS on CUDA)."""
     check_activation(x, w)
     m, k = x.shape
     n = w.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if (values := cached(w, x.dtype)) is not None:
+        return torch.mm(x, values.t(), out=out)
     rows = max(BLOCK_R, SCRATCH_BYTES // (k * x.element_size()) // BLOCK_R * BLOCK_R)
     scratch = torch.empty((min(rows, n), k), dtype=x.dtype, device=x.device)
     for n0 in range(0, n, rows):
@@ -191,7 +208,8 @@ def moe_dequant_grouped(
 
     gate, up [S, F, H], down [S, H, F]; expert_slot [E] int32 on x's device; x bfloat16 on CUDA
     (any float dtype on the CPU). Peak scratch: E * 3 * F * H values of x's dtype (the routed
-    experts' weights) plus a few [A, H] activations.
+    experts' weights) plus a few [A, H] activations; none for the weights when all three stacks
+    have cached values in x's dtype (`cache_values`), whose slots are then read directly.
     """
     from moestream.kernels.moe import align_assignments
 
@@ -204,23 +222,36 @@ def moe_dequant_grouped(
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    flat = topk_ids.reshape(-1).long()  # [A]
-    counts = torch.zeros(e, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E], no sync
-    w_gu = torch.empty((e, 2 * f, h), dtype=x.dtype, device=x.device)  # gate rows, then up rows
-    dequantize_rows(gate, w_gu[:, :f], expert_slot, counts)
-    dequantize_rows(up, w_gu[:, f:], expert_slot, counts)
-    w_d = torch.empty((e, h, f), dtype=x.dtype, device=x.device)
-    dequantize_rows(down, w_d, expert_slot, counts)
-
-    sorted_ids, block_expert = align_assignments(topk_ids, e, ALIGN_M)  # [R], [R / ALIGN_M]
+    values = [cached(w, x.dtype) for w in (gate, up, down)]
+    from_cache = all(v is not None for v in values)
+    if from_cache:
+        # Cached slot stacks: group the pairs by slot instead of expert (any slot table works).
+        ids = expert_slot[topk_ids.long()]  # [T, k] slots
+        groups = gate.shape[0]
+    else:
+        ids, groups = topk_ids, e
+    flat = ids.reshape(-1).long()  # [A]
+    counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [groups], no sync
+    sorted_ids, _ = align_assignments(ids, groups, ALIGN_M)  # [R]
     valid = sorted_ids < a  # [R]
     row_token = torch.where(valid, sorted_ids // k, 0).long()
     xs = x[row_token] * valid[:, None].to(x.dtype)  # [R, H], padding rows zero
     blocks = (counts + ALIGN_M - 1) // ALIGN_M
-    offs = (torch.cumsum(blocks, 0) * ALIGN_M).to(torch.int32)  # [E] end row of each expert
-    gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [R, 2F]
-    hidden = F.silu(gu[:, :f]) * gu[:, f:]  # [R, F] in x's dtype, as `layers.mlp.gated_mlp`
+    offs = (torch.cumsum(blocks, 0) * ALIGN_M).to(torch.int32)  # [groups] end row of each
+    if from_cache:
+        g = torch._grouped_mm(xs, values[0].transpose(1, 2), offs=offs)  # [R, F]
+        u = torch._grouped_mm(xs, values[1].transpose(1, 2), offs=offs)
+        hidden = F.silu(g) * u  # [R, F] in x's dtype, as `layers.mlp.gated_mlp`
+        w_d = values[2]  # [S, H, F]
+    else:
+        w_gu = torch.empty((e, 2 * f, h), dtype=x.dtype, device=x.device)  # gate, then up rows
+        dequantize_rows(gate, w_gu[:, :f], expert_slot, counts)
+        dequantize_rows(up, w_gu[:, f:], expert_slot, counts)
+        w_d = torch.empty((e, h, f), dtype=x.dtype, device=x.device)
+        dequantize_rows(down, w_d, expert_slot, counts)
+        gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [R, 2F]
+        hidden = F.silu(gu[:, :f]) * gu[:, f:]  # [R, F] in x's dtype
     y = torch._grouped_mm(hidden, w_d.transpose(1, 2), offs=offs)  # [R, H]
     # row of each assignment in the grouped order, then the weighted sum over k in order
     row_of = torch.empty(a + 1, dtype=torch.long, device=x.device)

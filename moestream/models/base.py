@@ -16,6 +16,7 @@ softmax and routing compute in float32.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
@@ -180,6 +181,34 @@ class CausalLM:
             and all(layer.attn.capturable for layer in self.layers)
             and all(getattr(layer.ffn, "capturable", False) for layer in self.layers)
         )
+
+    def cache_weight_values(self, budget_bytes: int) -> int:
+        """Keep bf16 (the model's dtype) copies of quantized weights for prefill-size matmuls,
+        layer by layer while `budget_bytes` lasts: resident expert stacks first (the MoE's
+        grouped GEMM then skips dequantizing them each step), then attention and dense FFN
+        weights. Only weights on the CUDA kernel path; the output head is left out (it sees one
+        row per request). Decode keeps reading the quantized weights. Returns the bytes used."""
+        from moestream.kernels.dequant_mm import cache_values
+        from moestream.kernels.ops import _use_kernels
+        from moestream.layers.mlp import GatedMLP
+        from moestream.layers.moe import StackedExperts
+
+        probe = torch.empty((1, 1), dtype=self.dtype, device=self.device)
+        used = 0
+        for layer in self.layers:
+            ffn, attn = layer.ffn, layer.attn
+            weights: list[QTensor] = []
+            experts = getattr(ffn, "experts", None)
+            if isinstance(experts, StackedExperts):
+                weights += experts.stacked()
+            if isinstance(ffn, GatedMLP):
+                weights += [ffn.gate, ffn.up, ffn.down]
+            weights += [p.weight for p, _ in attn.projections] + [attn.o_proj.weight]
+            for w in weights:
+                size = math.prod(w.shape) * probe.element_size()
+                if w.values is None and _use_kernels(probe, w) and used + size <= budget_bytes:
+                    used += cache_values(w, self.dtype)
+        return used
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32."""

@@ -8,7 +8,7 @@ logical shape. The last logical dimension is always the one blocks run along.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -38,6 +38,10 @@ class QTensor:
     data: torch.Tensor  # uint8 [*outer, row_bytes] for quantized types; typed, logical shape else
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, torch order
+    # An optional copy of the dequantized values in an activation dtype, [*shape], on the same
+    # device (`kernels.dequant_mm.cache_values`): large matmuls read it instead of dequantizing
+    # on every call. Not carried by `to` or indexing.
+    values: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(s) for s in self.shape)

@@ -123,3 +123,32 @@ def test_moe_dequant_grouped_matches_reference(dtype):
     assert torch.equal(again, out)  # deterministic: no atomics
     assert default_method(1025, gate, up, down, x) == "dequant"
     assert default_method(1025, gate, up, down) == "gemm"  # no activation: no device to ask
+
+
+def test_cached_values_give_the_same_products():
+    """`cache_values`: the dense product bit for bit; the MoE grouped by slot (a permuted
+    table) equal to the one that dequantizes per call, within float32 rounding."""
+    from moestream.kernels.dequant_mm import cache_values
+
+    values = torch.randn(96, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    w = QTensor(torch.from_numpy(quantize(values, T.Q4_K)).to(DEVICE), T.Q4_K, (96, 256))
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    plain = dequant_matmul(x, w)
+    assert cache_values(w, torch.float32) == 96 * 256 * 4
+    assert torch.equal(dequant_matmul(x, w), plain)
+    if not grouped_mm_available(torch.device(DEVICE)) or DEVICE == "cuda":
+        return  # the MoE half runs in float32 on the CPU (the CUDA grouped GEMM takes bf16)
+    h, f, t, k = 256, 256, 6, 2
+    gate, up = stack(T.Q4_K, (3, f, h), 7), stack(T.Q6_K, (3, f, h), 8)
+    down = stack(T.Q4_K, (3, h, f), 9)
+    slot = torch.tensor([2, 0, 1], dtype=torch.int32)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]])
+    weights = torch.softmax(torch.randn(t, k, generator=torch.Generator().manual_seed(10)), -1)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(11))
+    plain = moe_dequant_grouped(x, ids, weights, gate, up, down, slot)
+    for w3 in (gate, up, down):
+        cache_values(w3, torch.float32)
+    got = moe_dequant_grouped(x, ids, weights, gate, up, down, slot)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    ref = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
