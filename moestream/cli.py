@@ -97,8 +97,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="keep bf16 copies of up to N GiB of quantized weights (resident experts first) so "
-        "that prefill-size matmuls skip dequantizing them; decode still reads the quantized "
-        "weights (CUDA; default 0: none)",
+        "that prefill and batched decode (16+ tokens) skip dequantizing them; batch-1 decode "
+        "still reads the quantized weights (CUDA; default 0: none)",
     )
     g.add_argument(
         "--deterministic",

@@ -56,7 +56,7 @@ case $part in
     # bf16 copies of all weights but the head (~58 GiB for the 30B): prefill without dequantizing
     bench q30wc 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
       --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
-      --prefix-reuse 32768:31744
+      --concurrency 1,8,16,32 --concurrency-prompt 128 --prefix-reuse 32768:31744
     ;;
   experts)
     synth qwen3-30b-a3b q30

@@ -278,8 +278,18 @@ def default_method(
     to MMVQ_DEFAULT_MAX_ASSIGNMENTS and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
     the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
     (bf16 weights and torch's grouped GEMM) where `dequant_mm.grouped_mm_available` for x
-    (bfloat16 on CUDA), else the grouped Triton GEMM. Depends on (A, types, device, dtype) only,
-    never on the routing (row results stay independent of other tokens' experts)."""
+    (bfloat16 on CUDA), else the grouped Triton GEMM. With cached bf16 copies of all three
+    stacks (`--weight-cache-gib`), "dequant" from MMVQ_DEFAULT_MAX_ASSIGNMENTS + 1 on (no
+    dequantizing left: the grouped GEMM reads the copies). Depends on (A, types, device, dtype,
+    caches) only, never on the routing (row results stay independent of other tokens' experts).
+    """
+    if (
+        a > MMVQ_DEFAULT_MAX_ASSIGNMENTS
+        and x is not None
+        and _dequant_ok(x)
+        and all(w.values is not None and w.values.dtype == x.dtype for w in (gate, up, down))
+    ):
+        return "dequant"
     if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
         if a <= MMVQ_DEFAULT_MAX_ASSIGNMENTS:
             return "mmvq"

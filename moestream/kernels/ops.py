@@ -54,6 +54,11 @@ DEQUANT_MIN_M = 32
 # DEQUANT_MIN_M. H200, N=12288 K=4096 Q4_K (bench/mmq_gpu.py): M=8 34.8 us (mmvq 140.3),
 # M=16 39.7 us (dequantize + cuBLAS 71.0); mmvq stays for 1-2 rows (23.4 / 33.0 us).
 MMQ_MIN_M = 3
+# Rows from which a weight with a cached bf16 copy (`--weight-cache-gib`) is multiplied by cuBLAS
+# on the copy: it reads 16 bits per weight where MMQ reads ~4.5 plus its unpacking, so it pays
+# once MMQ's per-row work dominates (MMQ: 40 us at 16 rows for N=12288 K=4096, where reading
+# the 100 MB copy takes ~25 us). An estimate, not yet timed on a GPU.
+CACHED_MIN_M = 16
 INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
 INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
 _BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
@@ -143,6 +148,8 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
         y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
+    elif x2.shape[0] >= CACHED_MIN_M and w.values is not None and w.values.dtype == x2.dtype:
+        y = x2 @ w.values.t()  # cached bf16 copy (`--weight-cache-gib`): cuBLAS, nothing to unpack
     elif x2.shape[0] < DEQUANT_MIN_M and w.qtype in MMVQ_QTYPES:
         from moestream.kernels.mmq import mmq
         from moestream.kernels.mmvq import quantize_q8

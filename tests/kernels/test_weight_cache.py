@@ -33,3 +33,21 @@ def test_cache_weight_values_fills_layers_in_order_within_budget(monkeypatch):
         torch.testing.assert_close(w.values, w.dequantize(torch.float32), rtol=0, atol=0)
     assert all(w.values is None for w in model.layers[1].ffn.experts.stacked())
     assert model.layers[0].attn.o_proj.weight.values is None  # did not fit after the experts
+
+
+def test_quant_matmul_uses_the_cached_copy_from_cached_min_m(monkeypatch):
+    from moestream.kernels.dequant_mm import cache_values
+    from moestream.weights.qtensor import QTensor
+    from moestream.weights.quantize import quantize
+
+    values = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    w = QTensor(torch.from_numpy(quantize(values, ops._Q.Q4_K)), ops._Q.Q4_K, (64, 256))
+    monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)
+    cache_values(w, torch.float32)
+    w.values.mul_(2.0)  # marks the copy: a product from it is twice the true one
+    x = torch.randn(ops.CACHED_MIN_M, 256, generator=torch.Generator().manual_seed(2))
+    ref = ops.quant_matmul_ref(x, w)
+    torch.testing.assert_close(ops.quant_matmul(x, w), 2 * ref, rtol=1e-5, atol=1e-5)
+    few = x[: ops.CACHED_MIN_M - 1]  # fewer rows: the quantized kernels, not the copy
+    got = ops.quant_matmul(few, w)
+    assert ((got - ref[: len(few)]).abs().max() / ref.abs().max()).item() < 2e-2
