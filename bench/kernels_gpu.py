@@ -141,9 +141,11 @@ def matmul_fn(kind: str):
     def mmvq_call(x, w, out, config=None):  # the activation quantizer is part of the call
         return mmvq(quantize_q8(x), w, out=out, config=config)
 
-    return {"gemv": quant_gemv, "gemm": quant_gemm, "mmvq": mmvq_call, "dequant": dequant_matmul}[
-        kind
-    ]
+    def cached_call(x, w, out):  # the bf16 copy kept by --weight-cache-gib, through cuBLAS
+        return torch.mm(x, w.values.t(), out=out)
+
+    calls = {"gemv": quant_gemv, "gemm": quant_gemm, "mmvq": mmvq_call, "dequant": dequant_matmul}
+    return {**calls, "cached": cached_call}[kind]
 
 
 def matmul_ref(kind: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
@@ -158,20 +160,26 @@ def matmul_ref(kind: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
 def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
     fn = matmul_fn(kind)
     kw = {"config": config} if config is not None else {}
+    from moestream.kernels.dequant_mm import cache_values
+
     w = random_qtensor(qtype, (n, k), gen)
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    size = n * k * 2 if kind == "cached" else w.nbytes  # the bytes a call reads
+    more = [QTensor(w.data.clone(), qtype, w.shape) for _ in range(copies_for(size) - 1)]
+    weights = [w, *more]
+    if kind == "cached":
+        for w_ in weights:
+            cache_values(w_, dtype)
     fn(x, w, out=out, **kw)
     err = rel_err(out, matmul_ref(kind, x, w))
-    more = [QTensor(w.data.clone(), qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)]
-    weights = [w, *more]
     us = graph_time_us([lambda w=w_: fn(x, w, out=out, **kw) for w_ in weights])
-    nbytes = w.nbytes + x.numel() * x.element_size() + out.numel() * out.element_size()
+    nbytes = size + x.numel() * x.element_size() + out.numel() * out.element_size()
     shape = f"M={m} N={n} K={k}"
     return Row(kind, shape, qtype.name, str(dtype)[6:], err, us, nbytes, 2 * m * n * k)
 
 
-def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None) -> Row:
+def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=False) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
     slot e + 128 c), so consecutive calls read different, cold experts."""
@@ -184,6 +192,14 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None) -> Row:
     gate = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
     up = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
     down = random_qtensor(qd, (c * E, HIDDEN, FFN), gen)
+    if cached:  # bf16 copies (--weight-cache-gib): the grouped GEMM reads them, nothing to unpack
+        from moestream.kernels.dequant_mm import cache_values
+
+        c = min(c, max(1, (48 << 30) // (E * 3 * FFN * HIDDEN * 2)))
+        gate, up, down = (QTensor(w.data[: c * E], w.qtype, (c * E, *w.shape[1:])) for w in
+                          (gate, up, down))  # fmt: skip
+        for w in (gate, up, down):
+            cache_values(w, dtype)
     x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(dtype)
     calls, used = [], []
     for i in range(c):
@@ -212,7 +228,14 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None) -> Row:
     shape = f"T={t} E={E} k={TOPK} H={HIDDEN} F={FFN} ({mean_used:.0f} used)"
     flops = 2 * 3 * t * TOPK * HIDDEN * FFN
     qtype_names = f"{qg.name}/{qd.name}"
+    if cached:
+        path, nbytes = f"{path}-cached", int(mean_used * 3 * FFN * HIDDEN * 2)
     return Row(f"moe-{path}", shape, qtype_names, str(dtype)[6:], err, us, nbytes, flops)
+
+
+def bench_moe_cached(t: int, qtypes, dtype, method=None, *, gen) -> Row:
+    """`bench_moe` on bf16 copies of the stacks (`--weight-cache-gib`)."""
+    return bench_moe(t, qtypes, dtype, method, gen=gen, cached=True)
 
 
 def cases(only: set[str], quick: bool):
@@ -257,6 +280,12 @@ def cases(only: set[str], quick: bool):
                     yield bench_matmul, ("gemm", m, n, k, qtype, bf16)
         for t in (32, 64, 128, 512, 4096):  # grouped GEMM on bf16 copies of the experts
             yield bench_moe, (t, (T.Q4_K, T.Q6_K), bf16, "dequant")
+    if "cached" in only:  # --weight-cache-gib: bf16 copies kept from load, against MMQ/mmvq
+        for m in (8, 16, 32):
+            for n, k, qtype in (decode[0], decode[3]):
+                yield bench_matmul, ("cached", m, n, k, qtype, bf16)
+        for t in (8, 16, 32, 64, 512, 4096):
+            yield bench_moe_cached, (t, (T.Q4_K, T.Q6_K), bf16, "dequant")
     if "moe" in only:
         mix = (T.Q4_K, T.Q6_K)
         for t in (1, 8) if quick else (1, 4, 8, 16, 32, 512, 4096):
@@ -338,7 +367,9 @@ def sweep_moe(gen, copy_gbs: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--only", default="mmvq,gemv,gemm,moe", help="comma list of mmvq, gemv, gemm, moe, dequant"
+        "--only",
+        default="mmvq,gemv,gemm,moe",
+        help="comma list of mmvq, gemv, gemm, moe, dequant, cached",
     )
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")

@@ -36,7 +36,7 @@ case $part in
   check)
     timeout 330 python3 -m pytest tests/kernels tests/runner tests/experts tests/engine -q \
       -p no:cacheprovider --maxfail=8 -rf 2>&1 | tail -15
-    python3 bench/kernels_gpu.py --only mmvq,moe,dequant 2>&1 | tee "$out/kernels.log" | tail -40
+    python3 bench/kernels_gpu.py --only mmvq,moe,dequant,cached 2>&1 | tee "$out/kernels.log" | tail -40
     timeout 120 python3 bench/mmq_gpu.py 2>&1 | tee "$out/mmq.log" | tail -18
     python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 --json "$out/greedy.json" | tail -12
     timeout 150 python3 bench/spec_figures.py --device cuda --rounds 2 --prompts 2 --tokens 128 \
