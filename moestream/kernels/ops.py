@@ -41,8 +41,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 # up to 8 rows, but from 2 rows its per-row FMAs cost ~3x the instructions of the GEMM's
 # tensor-core path (SASS counts for sm_90); bench/kernels_gpu.py times both.
 GEMV_MAX_M = 1
-# Rows up to which weights of MMVQ_QTYPES take the integer-dot decode kernel (`kernels.mmvq`:
-# activations rounded to 8 bits per block of 32, as llama.cpp's GPU decode path does).
+# Rows the integer-dot decode kernel (`kernels.mmvq`: activations rounded to 8 bits per block of
+# 32, as llama.cpp's GPU decode path does) takes at most per call: batch-invariant mode runs it
+# on chunks of this many rows; the default path uses it below MMQ_MIN_M rows.
 MMVQ_MAX_M = 8
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 # Rows from which a quantized matmul dequantizes the weight to the activation dtype and calls
