@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -253,6 +254,42 @@ def test_cost_picker_path_is_exact(demo_pair):
     stats = engine.spec_stats()
     assert stats["total"]["verify_steps"] > 0 and stats["total"]["accepted_tokens"] > 0
     assert engine.speculator.picker.target_cost.measured()  # step times reached the picker
+
+
+def test_picker_is_fed_whole_steps(demo_pair):
+    """Each step time the picker gets covers more than the forward (schedule, commit and the
+    host work of drafting are in it: for a small model on a GPU they decide whether drafts
+    pay); draft-model forwards are recorded apart, not twice."""
+    engine = make_engine(demo_pair)
+    config = SpecConfig(mode="auto", draft_model=str(DEMO_DRAFT), explore_interval=1)
+    engine.speculator = spec = real_speculator(demo_pair, engine, config)
+    forwards: list[float] = []
+    commits: list[float] = []
+    steps: list[float] = []
+    execute, commit, record = engine.runner.execute, engine._commit, spec.record_step_time
+
+    def timed(fn, into):
+        def call(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            into.append(time.perf_counter() - start)
+            return out
+
+        return call
+
+    def recorded(num_tokens, seconds):
+        steps.append(seconds)
+        record(num_tokens, seconds)
+
+    engine.runner.execute, engine._commit = timed(execute, forwards), timed(commit, commits)
+    spec.record_step_time = recorded
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine.add_request(prompts(demo_pair, 1)[0], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(steps) == len(forwards) == len(commits) > 10
+    assert all(s >= f + c for s, f, c in zip(steps, forwards, commits, strict=True))
+    assert spec.draft_forward_seconds >= 0.0
 
 
 @torch.inference_mode()
