@@ -39,6 +39,18 @@ class EngineOutput(RequestOutput):
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # of this step's new tokens
 
 
+def draft_blocks_that_fit(room: int, bytes_per_block: int, need: int, cap: int) -> int:
+    """Blocks of a draft model's KV pool in `room` bytes: at most `cap` (the target pool's),
+    at least `need` (one full-length sequence), else CapacityError."""
+    blocks = max(0, room) // bytes_per_block
+    if blocks < need:
+        raise CapacityError(
+            f"no room for the draft model's KV cache: {blocks} blocks of {bytes_per_block} "
+            f"bytes fit, one full-length sequence needs {need} (lower --kv-cache-gib)"
+        )
+    return min(blocks, cap)
+
+
 class Engine:
     """Continuous batching over one model and one paged KV pool.
 
@@ -200,12 +212,14 @@ class Engine:
     ) -> Speculator | None:
         """A speculator for this engine's model (None when `spec` is off). Its draft KV pool
         has `draft_num_blocks` blocks (default: as many as the target's pool, allocated on top
-        of it)."""
+        of it; on a GPU at most what the free memory holds, less the activation reserve, and
+        at least one full-length sequence, else CapacityError)."""
         if spec is None or not spec.enabled:
             return None
+        fit = draft_num_blocks is None and self.device.type == "cuda"
         if draft_num_blocks is None:
-            draft_num_blocks = self.scheduler.allocator.num_blocks
-        return Speculator.from_config(
+            draft_num_blocks = 1 if fit else self.scheduler.allocator.num_blocks
+        speculator = Speculator.from_config(
             spec,
             vocab_size=self.model.config.vocab_size,
             target_tokens=self._vocab_tokens,
@@ -214,6 +228,17 @@ class Engine:
             block_size=self.cache_config.block_size,
             draft_num_blocks=draft_num_blocks,
         )
+        draft = speculator.draft_model if speculator else None
+        if fit and draft is not None:  # the target's pool is already allocated: what is left
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = draft_blocks_that_fit(
+                free - self._activation_reserve(),
+                draft.kv_bytes_per_block,
+                -(-self.max_model_len // self.cache_config.block_size),
+                self.scheduler.allocator.num_blocks,
+            )
+            draft.resize_kv(blocks)
+        return speculator
 
     def spec_stats(self) -> dict[str, Any] | None:
         """Speculation counters (tau, acceptance by position, per proposer); None when off."""

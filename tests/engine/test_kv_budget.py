@@ -3,10 +3,13 @@ free-memory query is replaced)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moestream.cli import DEMO_MODEL
 from moestream.config import CacheConfig, SchedConfig
+from moestream.engine import draft_blocks_that_fit
+from moestream.errors import CapacityError
 from moestream.llm import LLM
 
 
@@ -29,3 +32,12 @@ def test_default_gpu_budget_keeps_the_activation_reserve(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
     blocks = engine._num_blocks(CacheConfig(block_size=16), torch.bfloat16)
     assert blocks == int(0.9 * (80 << 30) // per_block)  # a large GPU: 90% binds
+
+
+def test_draft_pool_fits_what_is_left():
+    assert draft_blocks_that_fit(100 * 1000, 1000, 10, 64) == 64  # capped at the target's
+    assert draft_blocks_that_fit(30 * 1000 + 999, 1000, 10, 64) == 30  # what fits
+    with pytest.raises(CapacityError, match="9 blocks .* needs 10"):
+        draft_blocks_that_fit(9 * 1000, 1000, 10, 64)
+    with pytest.raises(CapacityError, match="0 blocks"):
+        draft_blocks_that_fit(-5, 1000, 1, 64)  # the reserve alone exceeds free memory
