@@ -66,6 +66,9 @@ MMVQ_MAX_ASSIGNMENTS = 256
 # (it grew 459 -> 517 us from T=32 to 64, with every expert already read).
 MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
 MMQ_MAX_ASSIGNMENTS = 1024
+# The "dequant" path writes every routed expert of the layer as bf16 at once (1.2 GB for
+# Qwen3-30B-A3B); a layer whose copies would exceed this takes the grouped Triton GEMM instead.
+DEQUANT_MAX_SCRATCH_BYTES = 4 << 30
 
 
 @triton.jit
@@ -272,14 +275,20 @@ class MoeMmvqConfig(NamedTuple):
 
 
 def default_method(
-    a: int, gate: QTensor, up: QTensor, down: QTensor, x: torch.Tensor | None = None
+    a: int,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    x: torch.Tensor | None = None,
+    num_experts: int | None = None,
 ) -> str:
     """The path for A assignments: where all three types are MMVQ_QTYPES, integer-dot "mmvq" up
     to MMVQ_DEFAULT_MAX_ASSIGNMENTS and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
-    the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
-    (bf16 weights and torch's grouped GEMM) where `dequant_mm.grouped_mm_available` for x
-    (bfloat16 on CUDA), else the grouped Triton GEMM. With cached bf16 copies of all three
-    stacks (`--weight-cache-gib`), "dequant" from MMVQ_DEFAULT_MAX_ASSIGNMENTS + 1 on (no
+    the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant" (bf16 weights and torch's
+    grouped GEMM) where `dequant_mm.grouped_mm_available` for x (bfloat16 on CUDA) and the
+    layer's bf16 copies (`num_experts` experts, default the stacks' slots) fit
+    DEQUANT_MAX_SCRATCH_BYTES, else the grouped Triton GEMM. With cached bf16 copies of all
+    three stacks (`--weight-cache-gib`), "dequant" from MMVQ_DEFAULT_MAX_ASSIGNMENTS + 1 on (no
     dequantizing left: the grouped GEMM reads the copies). Depends on (A, types, device, dtype,
     caches) only, never on the routing (row results stay independent of other tokens' experts).
     """
@@ -298,7 +307,12 @@ def default_method(
     if a <= GEMV_MAX_ASSIGNMENTS:
         return "gemv"
     if x is not None and _dequant_ok(x):
-        return "dequant"
+        experts = num_experts if num_experts is not None else gate.shape[0]
+        if (
+            experts * 3 * gate.shape[1] * gate.shape[2] * x.element_size()
+            <= DEQUANT_MAX_SCRATCH_BYTES
+        ):
+            return "dequant"  # every routed expert's bf16 copy at once: small enough
     return "gemm"
 
 
@@ -480,7 +494,9 @@ def fused_moe(
         raise ValueError(f"out must be [{t}, {h}] {x.dtype} with unit last stride")
     if t == 0:
         return out
-    method = method or default_method(a, gate, up, down, x)
+    if method is None:
+        experts = expert_slot.shape[0] if expert_slot is not None else None
+        method = default_method(a, gate, up, down, x, experts)
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
     if method == "mmvq":
         if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):

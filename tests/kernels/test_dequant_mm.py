@@ -170,3 +170,19 @@ def test_cached_stacks_take_the_grouped_gemm_from_129_pairs():
     expect = "dequant" if grouped_mm_available(x.device) and DEVICE == "cpu" else "mmq"
     assert default_method(129, gate, up, down, x) == expect
     assert default_method(128, gate, up, down, x) == "mmvq"
+
+
+def test_large_layers_skip_the_uncached_bf16_copies(monkeypatch):
+    """Above DEQUANT_MAX_SCRATCH_BYTES of bf16 copies per layer the grouped Triton GEMM runs
+    instead (no large scratch); cached copies need no scratch and keep the grouped GEMM."""
+    from moestream.kernels import moe
+
+    gate, up = stack(T.Q4_K, (2, 256, 256), 1), stack(T.Q4_K, (2, 256, 256), 2)
+    down = stack(T.Q6_K, (2, 256, 256), 3)
+    x = torch.zeros(1, 256, device=DEVICE)
+    if not moe._dequant_ok(x):
+        pytest.skip("no grouped GEMM for float32 here")
+    assert default_method(1025, gate, up, down, x, num_experts=2) == "dequant"
+    monkeypatch.setattr(moe, "DEQUANT_MAX_SCRATCH_BYTES", 3 * 256 * 256 * 4 * 2 - 1)
+    assert default_method(1025, gate, up, down, x, num_experts=2) == "gemm"
+    assert default_method(1025, gate, up, down, x, num_experts=1) == "dequant"
