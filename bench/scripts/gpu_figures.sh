@@ -40,7 +40,10 @@ case $part in
     timeout 120 python3 bench/mmq_gpu.py 2>&1 | tee "$out/mmq.log" | tail -18
     python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 --json "$out/greedy.json" | tail -12
     timeout 150 python3 bench/spec_figures.py --device cuda --rounds 2 --prompts 2 --tokens 128 \
-      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -16
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
+    # the same under batch-invariant kernels: no divergence expected (exit status 1 otherwise)
+    timeout 150 python3 bench/spec_figures.py --device cuda --deterministic --rounds 1 \
+      --prompts 2 --tokens 128 2> /dev/null | tail -20; echo "[spec deterministic rc=$?]"
     ;;
   models)
     synth qwen3-30b-a3b q30; synth qwen3-8b q8
