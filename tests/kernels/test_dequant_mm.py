@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from moestream.kernels import ops
@@ -31,29 +31,24 @@ from moestream.kernels.dequant_mm import (  # noqa: E402
     moe_dequant_grouped,
 )
 from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
+from tests.kernels.test_quant_matmul import random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
-F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q2_K: (80, 82)}
-F16_FIELDS[T.Q3_K] = (108,)
 
 
-def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
-    """uint8 [*outer, row_bytes]: random bytes with finite float16 scales (every quant pattern)."""
-    rng = np.random.default_rng(seed)
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape))
-    blocks = rng.integers(0, 256, size=(n // block, size), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        scale = rng.choice([-1.0, 1.0], len(blocks)) * 2.0 ** rng.uniform(-12, 0, len(blocks))
-        blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(*shape[:-1], -1)
+def random_raw(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """uint8 [*outer, row_bytes] of `test_quant_matmul.random_blocks` (random bytes with finite
+    float16 scales: every quant pattern)."""
+    rows = int(np.prod(shape[:-1]))
+    w = random_blocks(qtype, rows, shape[-1], seed)
+    return w.data.cpu().numpy().reshape(*shape[:-1], -1)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_dequantize_rows_is_bit_exact(qtype):
     """Rows 40..89 of a [96, 512] weight (two row blocks, the second partial) equal gguf's."""
-    raw = random_blocks(qtype, (96, 512), seed=int(qtype))
+    raw = random_raw(qtype, (96, 512), seed=int(qtype))
     w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (96, 512))
     out = torch.full((50, 512), float("nan"), device=DEVICE)
     dequantize_rows(w, out, row_start=40)
@@ -64,7 +59,7 @@ def test_dequantize_rows_is_bit_exact(qtype):
 def test_dequantize_rows_through_slots_skips_unused_experts():
     """Expert e reads slot SLOT[e]; an expert with no tokens is left untouched (poison stays)."""
     qtype, s, n, k = T.Q4_K, 3, 40, 256
-    raw = random_blocks(qtype, (s, n, k), seed=5)
+    raw = random_raw(qtype, (s, n, k), seed=5)
     w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (s, n, k))
     slot = torch.tensor([2, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     counts = torch.tensor([1, 0, 3, 2], dtype=torch.int32, device=DEVICE)
