@@ -119,7 +119,14 @@ class Engine:
             budget = cache.kv_cache_gib * 2**30
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = min(0.9 * free, free - self._activation_reserve())
+            reserve = self._activation_reserve()
+            budget = max(0.0, min(0.9 * free, free - reserve))
+            if budget < bytes_per_block:
+                raise CapacityError(
+                    f"{free / 2**30:.2f} GiB of free GPU memory, less {reserve / 2**30:.2f} GiB "
+                    "kept for a step's activations, holds no KV block: free memory, or give "
+                    "--kv-cache-gib (and a smaller --max-num-batched-tokens)"
+                )
         else:
             # CPU: enough for a few full-length sequences, at most 1 GiB.
             budget = min(2**30, 4 * self.max_model_len / cache.block_size * bytes_per_block)

@@ -32,6 +32,9 @@ def test_default_gpu_budget_keeps_the_activation_reserve(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 96 << 30))
     blocks = engine._num_blocks(CacheConfig(block_size=16), torch.bfloat16)
     assert blocks == int(0.9 * (80 << 30) // per_block)  # a large GPU: 90% binds
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserve // 2, 8 << 30))
+    with pytest.raises(CapacityError, match="kept for a step's activations"):
+        engine._num_blocks(CacheConfig(block_size=16), torch.bfloat16)
 
 
 def test_draft_pool_fits_what_is_left():
