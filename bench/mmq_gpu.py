@@ -36,8 +36,9 @@ TOL = 1e-4  # dense, float32 output; the MoE's bfloat16 output: 2e-2
 
 
 def dense_case(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> bool:
-    from moestream.kernels.mmq import mmq, mmq_config, mmq_ref
+    from moestream.kernels.mmq import mmq, mmq_config
     from moestream.kernels.mmvq import mmvq, quantize_q8, quantize_q8_ref
+    from moestream.kernels.mmvq import mmvq_ref as mmq_ref  # the same product
 
     w = random_qtensor(T.Q4_K, (n, k), gen)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -74,7 +75,8 @@ def dense_case(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> bool:
 
 def moe_case(t: int, gen: torch.Generator, reps: int) -> bool:
     from moestream.kernels.moe import fused_moe
-    from moestream.kernels.moe_mmq import moe_mmq, moe_mmq_ref
+    from moestream.kernels.moe import moe_mmvq_ref as moe_mmq_ref  # the same numerics
+    from moestream.kernels.moe_mmq import moe_mmq
 
     qg, qd = T.Q4_K, T.Q6_K
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)

@@ -148,7 +148,7 @@ class Engine:
         per-pair rows in float32 dominate), sampled logits, and 512 MiB for CUDA graphs and the
         allocator's rounding. Kept out of the default KV budget so that a long prefill cannot
         run out of memory on a small GPU."""
-        from moestream.kernels.dequant_mm import SCRATCH_BYTES
+        from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES
 
         c = self.model.config
         tokens = self.sched_config.max_num_batched_tokens
@@ -156,7 +156,7 @@ class Engine:
         experts = c.n_experts * 3 * c.expert_ffn_size * h * 2  # bf16
         per_token = 64 * h + k * (8 * h + 6 * max(c.expert_ffn_size, c.ffn_size))
         logits = 2 * self.sched_config.max_num_seqs * c.vocab_size * 4
-        return experts + SCRATCH_BYTES + tokens * per_token + logits + (512 << 20)
+        return experts + DEQUANT_SCRATCH_BYTES + tokens * per_token + logits + (512 << 20)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

@@ -286,6 +286,21 @@ def check_activation(x: torch.Tensor, w: QTensor) -> None:
         raise ValueError(f"x on {x.device}, weight on {w.device}")
 
 
+def split_k_target(out: torch.Tensor, split_k: int) -> tuple[torch.Tensor, int]:
+    """Where a matmul kernel with `split_k` partial sums over K writes: `out` itself (partial
+    stride 0), or a float32 [split_k, M, N] buffer that `reduce_split_k` sums into `out`."""
+    if split_k == 1:
+        return out, 0
+    dst = torch.empty((split_k, *out.shape), dtype=torch.float32, device=out.device)
+    return dst, dst.stride(0)
+
+
+def reduce_split_k(out: torch.Tensor, dst: torch.Tensor) -> None:
+    """out = the sum of `split_k_target`'s partials, in split order (deterministic)."""
+    if dst is not out:
+        out.copy_(dst.sum(dim=0))  # [M, N]
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere: the CPU interpreter)."""
     if device.type != "cuda":

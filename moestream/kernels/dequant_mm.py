@@ -46,9 +46,9 @@ from moestream.kernels._triton_dequant import (
     dequant_superblock,
     plane_k_offsets,
 )
+from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES as SCRATCH_BYTES
 from moestream.weights.qtensor import QTensor
 
-SCRATCH_BYTES = 256 << 20  # the dense path's bf16 weight chunk (the MoE's is one layer's experts)
 BLOCK_R = 32  # weight rows per dequantizing program on the CPU (the interpreter); and the
 # multiple the dense path's chunks are rounded to
 # Launch shapes tried once per (type, rows, K) on a CUDA device, the fastest kept for the process
@@ -160,11 +160,6 @@ def cache_values(w: QTensor, dtype: torch.dtype) -> int:
     return values.numel() * values.element_size()
 
 
-def cached(w: QTensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """w's cached values when they are in `dtype`."""
-    return w.values if w.values is not None and w.values.dtype == dtype else None
-
-
 def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequant(w [N, K]).T in x's dtype (contract of `quant_gemm`): the
     weight dequantized to x's dtype in chunks of rows under SCRATCH_BYTES (or its cached values,
@@ -174,7 +169,7 @@ def dequant_matmul(x: torch.Tensor, w: QTensor, out: torch.Tensor | None = None)
     n = w.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if (values := cached(w, x.dtype)) is not None:
+    if (values := w.values_in(x.dtype)) is not None:
         return torch.mm(x, values.t(), out=out)
     rows = max(BLOCK_R, SCRATCH_BYTES // (k * x.element_size()) // BLOCK_R * BLOCK_R)
     scratch = torch.empty((min(rows, n), k), dtype=x.dtype, device=x.device)
@@ -225,7 +220,7 @@ def moe_dequant_grouped(
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    values = [cached(w, x.dtype) for w in (gate, up, down)]
+    values = [w.values_in(x.dtype) for w in (gate, up, down)]
     from_cache = all(v is not None for v in values)
     if from_cache:
         # Cached slot stacks: group the pairs by slot instead of expert (any slot table works).
@@ -236,7 +231,7 @@ def moe_dequant_grouped(
     flat = ids.reshape(-1).long()  # [A]
     counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [groups], no sync
-    sorted_ids, _ = align_assignments(ids, groups, ALIGN_M)  # [R]
+    sorted_ids, _ = align_assignments(ids, groups, ALIGN_M, counts)  # [R]
     valid = sorted_ids < a  # [R]
     row_token = torch.where(valid, sorted_ids // k, 0).long()
     xs = x[row_token] * valid[:, None].to(x.dtype)  # [R, H], padding rows zero

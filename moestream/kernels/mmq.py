@@ -18,8 +18,9 @@ masked by the caller), so no layout conversion of the big int8 tiles is needed; 
 activations stay in shared memory as wgmma's B operand.
 
 Numerics are those of `mmvq` (same activation rounding, exact integer parts, float32 scales);
-`mmq_ref` is the reference; the fused MoE on these tiles is `moe_mmq.py`. Under the Triton
-interpreter the byte-packed PTX is emulated per byte (ASM False).
+`mmvq.mmvq_ref` is the reference (the same product); the fused MoE on these tiles is
+`moe_mmq.py`. Under the Triton interpreter the byte-packed PTX is emulated per byte (ASM
+False).
 
 Letters: M activation rows, N output features, K input features (multiple of 256); MoE: T
 tokens, H hidden, F expert FFN, E experts, S slots, k experts per token, A = T*k assignments.
@@ -33,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels._triton_dequant import check_weight, num_sms
-from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, _i2f, mmvq_ref, use_asm
+from moestream.kernels._triton_dequant import num_sms, reduce_split_k, split_k_target
+from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, _i2f, q8_matmul_out, use_asm
 from moestream.weights.qtensor import QTensor
 
 MMQ_QTYPES = MMVQ_QTYPES  # Q4_K, Q5_K, Q6_K, Q8_0
@@ -43,11 +44,6 @@ Q8_0 = tl.constexpr(8)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
-
-
-def mmq_ref(a: Q8Act, w: QTensor) -> torch.Tensor:
-    """Reference of `mmq`: float32 [M, N] (the same product as `mmvq_ref`)."""
-    return mmvq_ref(a, w)
 
 
 # ---- byte-packed integer ops (4 int8 per 32-bit register) ------------------------------------
@@ -330,17 +326,8 @@ def mmq(
     16-byte cp.async; Q6_K and Q8_0 blocks are 2-byte aligned and read 16 bits at a time.
     `out`, when given, is an [M, N] tensor with unit last stride that receives the result.
     With a K split the float32 partial sums are added in split order (deterministic)."""
-    check_weight(w, 2)
-    if w.qtype not in MMQ_QTYPES:
-        raise ValueError(f"mmq: no kernel for {w.qtype.name}")
-    m, k = a.rows, a.k
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"activations have K={k}, weight {w.shape}")
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.q.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit last stride")
+    out = q8_matmul_out(a, w, MMQ_QTYPES, "mmq", out, out_dtype)
+    m, k, n = a.rows, a.k, w.shape[0]
     if m == 0:
         return out
     cfg = config or mmq_config(m, n, k, num_sms(a.q.device))
@@ -348,11 +335,7 @@ def mmq(
     groups = k // 256
     if groups % cfg.split_k:
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
-    if cfg.split_k == 1:
-        dst, stride_os = out, 0
-    else:
-        dst = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device)
-        stride_os = dst.stride(0)
+    dst, stride_os = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     _mmq_kernel[grid](
         a.q.view(torch.int8), a.d, a.s, w.data, dst, m, n, 4 * a.q.stride(0), a.d.stride(0),
@@ -360,6 +343,5 @@ def mmq(
         QTYPE=int(w.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if cfg.split_k > 1:
-        out.copy_(dst.sum(dim=0))  # [M, N], fixed order
+    reduce_split_k(out, dst)
     return out

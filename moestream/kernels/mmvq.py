@@ -36,7 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels._triton_dequant import check_weight, num_sms
+from moestream.kernels._triton_dequant import (
+    check_weight,
+    num_sms,
+    reduce_split_k,
+    split_k_target,
+)
 from moestream.kernels.ops import MMVQ_QTYPES
 from moestream.weights.qtensor import QTensor
 
@@ -442,6 +447,30 @@ def use_asm(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def q8_matmul_out(
+    a: Q8Act,
+    w: QTensor,
+    qtypes: frozenset,
+    name: str,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The checks of a matmul on activations quantized by `quantize_q8` (`mmvq`, `mmq`): w 2-D
+    of a type in `qtypes` with K = a.k; returns `out` ([M, N], unit last stride) or a new
+    [M, N] of out_dtype."""
+    check_weight(w, 2)
+    if w.qtype not in qtypes:
+        raise ValueError(f"{name}: no kernel for {w.qtype.name}")
+    m, n = a.rows, w.shape[0]
+    if w.shape[1] != a.k:
+        raise ValueError(f"activations have K={a.k}, weight {w.shape}")
+    if out is None:
+        return torch.empty((m, n), dtype=out_dtype, device=a.q.device)
+    if out.shape != (m, n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] with unit last stride")
+    return out
+
+
 def mmvq(
     a: Q8Act,
     w: QTensor,
@@ -453,19 +482,10 @@ def mmvq(
 
     `w` a 2-D QTensor of a type in MMVQ_QTYPES with K = a.k a multiple of 256. `out`, when
     given, is an [M, N] tensor with unit last stride that receives the result."""
-    check_weight(w, 2)
-    if w.qtype not in MMVQ_QTYPES:
-        raise ValueError(f"mmvq: no kernel for {w.qtype.name}")
-    m, k = a.rows, a.k
-    n = w.shape[0]
-    if w.shape[1] != k:
-        raise ValueError(f"activations have K={k}, weight {w.shape}")
+    out = q8_matmul_out(a, w, MMVQ_QTYPES, "mmvq", out, out_dtype)
+    m, k, n = a.rows, a.k, w.shape[0]
     if m > MAX_M:
         raise ValueError(f"mmvq takes at most {MAX_M} rows, got {m}")
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=a.q.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {n}] with unit last stride")
     if m == 0:
         return out
     m_block = triton.next_power_of_2(m)
@@ -473,19 +493,14 @@ def mmvq(
     groups = k // 256
     if groups % cfg.split_k or cfg.groups & (cfg.groups - 1):
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
-    if cfg.split_k == 1:
-        dst, stride_os = out, 0
-    else:
-        dst = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device)
-        stride_os = dst.stride(0)
+    dst, stride_os = split_k_target(out, cfg.split_k)
     _mmvq_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
         stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
         BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
         ASM=use_asm(out.device), num_warps=cfg.num_warps,
     )  # fmt: skip
-    if cfg.split_k > 1:
-        out.copy_(dst.sum(dim=0))  # [M, N], fixed order
+    reduce_split_k(out, dst)
     return out
 
 

@@ -296,7 +296,7 @@ def default_method(
         a > MMVQ_DEFAULT_MAX_ASSIGNMENTS
         and x is not None
         and _dequant_ok(x)
-        and all(w.values is not None and w.values.dtype == x.dtype for w in (gate, up, down))
+        and all(w.values_in(x.dtype) is not None for w in (gate, up, down))
     ):
         return "dequant"
     if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
@@ -346,7 +346,7 @@ def moe_gemm_config(
 
 
 def align_assignments(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, counts: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the A = T*k assignments by expert into blocks of `block_m` rows, on the device.
 
@@ -354,14 +354,17 @@ def align_assignments(
     ascending order, each expert's run padded to whole blocks with the sentinel A;
     block_expert [num_blocks] int32: the expert of each block, `num_experts` for spare blocks
     past the end). num_blocks = cdiv(A, block_m) + min(E, A) bounds the blocks needed, so the
-    shapes depend on (A, E, block_m) only and no count comes back to the host.
+    shapes depend on (A, E, block_m) only and no count comes back to the host. `counts` [E],
+    when the caller has them, are the assignments per expert (not counted again).
     """
     a = topk_ids.numel()
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()  # [A]
     order = torch.argsort(flat, stable=True)  # [A] assignments grouped by expert
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync on CUDA)
+    if counts is None:
+        counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] (bincount would sync on CUDA)
+    counts = counts.long()
     blocks = (counts + block_m - 1) // block_m  # [E]
     block_end = torch.cumsum(blocks, 0)  # [E]
     num_blocks = triton.cdiv(a, block_m) + min(num_experts, a)

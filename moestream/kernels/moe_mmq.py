@@ -2,7 +2,8 @@
 pairs grouped by expert (`moe.align_assignments`, on the device), blocks of BLOCK_M pairs of one
 expert per program, so an expert's weights are read once per block instead of once per pair;
 each block's gate/up and down are `mmq.mmq_tile`s (int8 `tl.dot` per block of 32 values, scales
-in float32). Numerics are the "mmvq" path's (x and h rounded to q8 blocks): `moe_mmq_ref`.
+in float32). Numerics are the "mmvq" path's (x and h rounded to q8 blocks): its reference
+`moe.moe_mmvq_ref` is this path's too.
 
 Letters: T tokens, H hidden, F expert FFN, E experts, S slots, k experts per token,
 A = T*k assignments.
@@ -81,22 +82,6 @@ def moe_mmq_config(a: int, num_experts: int) -> MmqConfig:
     per = a / num_experts
     block_m = 16 if per <= 16 else 32 if per <= 32 else 64
     return MmqConfig(block_m, 64, 1, warps_for(block_m), 3)
-
-
-def moe_mmq_ref(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gate: QTensor,
-    up: QTensor,
-    down: QTensor,
-    expert_slot: torch.Tensor,
-) -> torch.Tensor:
-    """Reference of `moe_mmq` -> float32 [T, H]: the quantization points of the "mmvq" path
-    (x and h rounded to q8 blocks), so `moe.moe_mmvq_ref`."""
-    from moestream.kernels.moe import moe_mmvq_ref
-
-    return moe_mmvq_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
 
 
 def moe_mmq(

@@ -60,6 +60,8 @@ MMQ_MIN_M = 3
 # once MMQ's per-row work dominates (MMQ: 40 us at 16 rows for N=12288 K=4096, where reading
 # the 100 MB copy takes ~25 us). An estimate, not yet timed on a GPU.
 CACHED_MIN_M = 16
+# The bf16 weight chunk the dequantize + cuBLAS path writes per call (`kernels.dequant_mm`).
+DEQUANT_SCRATCH_BYTES = 256 << 20
 INVARIANT_ROWS = 8  # fixed row chunk of float-weight matmuls in batch-invariant mode
 INVARIANT_MOE_TOKENS = 32  # token chunk of the fused MoE's integer-dot path in that mode
 _BATCH_INVARIANT: ContextVar[bool] = ContextVar("moestream_batch_invariant", default=False)
@@ -149,9 +151,13 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
         y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
-    elif x2.shape[0] >= CACHED_MIN_M and w.values is not None and w.values.dtype == x2.dtype:
-        y = x2 @ w.values.t()  # cached bf16 copy (`--weight-cache-gib`): cuBLAS, nothing to unpack
-    elif x2.shape[0] < DEQUANT_MIN_M and w.qtype in MMVQ_QTYPES:
+    elif x2.shape[0] >= DEQUANT_MIN_M or (
+        x2.shape[0] >= CACHED_MIN_M and w.values_in(x2.dtype) is not None
+    ):  # a bf16 copy (cached by `--weight-cache-gib`, or made now) through cuBLAS
+        from moestream.kernels.dequant_mm import dequant_matmul
+
+        y = dequant_matmul(x2, w)
+    elif w.qtype in MMVQ_QTYPES:  # MMQ_MIN_M .. DEQUANT_MIN_M - 1 rows
         from moestream.kernels.mmq import mmq
         from moestream.kernels.mmvq import quantize_q8
 
@@ -160,10 +166,6 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
         from moestream.kernels.quant_gemv import quant_gemv
 
         y = quant_gemv(x2, w)
-    elif x2.shape[0] >= DEQUANT_MIN_M:
-        from moestream.kernels.dequant_mm import dequant_matmul
-
-        y = dequant_matmul(x2, w)
     else:
         from moestream.kernels.quant_gemm import quant_gemm
 

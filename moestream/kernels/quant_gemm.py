@@ -27,6 +27,8 @@ from moestream.kernels._triton_dequant import (
     dequant_superblock,
     num_sms,
     plane_k_offsets,
+    reduce_split_k,
+    split_k_target,
 )
 from moestream.weights.qtensor import QTensor
 
@@ -166,11 +168,7 @@ def quant_gemm(
     groups = k // 256
     if groups % cfg.split_k:
         raise ValueError(f"{cfg} does not divide the {groups} groups of K={k}")
-    if cfg.split_k == 1:
-        dst, stride_os = out, 0
-    else:
-        dst = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        stride_os = dst.stride(0)
+    dst, stride_os = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _gemm_kernel[grid](
         x,
@@ -192,6 +190,5 @@ def quant_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
-        out.copy_(dst.sum(dim=0))  # [M, N], fixed order
+    reduce_split_k(out, dst)
     return out

@@ -188,6 +188,8 @@ class CausalLM:
         grouped GEMM then skips dequantizing them each step), then attention and dense FFN
         weights. Only weights on the CUDA kernel path; the output head is left out (it sees one
         row per request). Decode keeps reading the quantized weights. Returns the bytes used."""
+        if budget_bytes <= 0:
+            return 0
         from moestream.kernels.dequant_mm import cache_values
         from moestream.kernels.ops import _use_kernels
         from moestream.layers.mlp import GatedMLP

@@ -192,14 +192,10 @@ class Speculator:
         return self._probs.get(request_id)
 
     # ---- feedback --------------------------------------------------------------------------
-    def observe(
-        self, plan: StepPlan, sampled: Mapping[str, list[int]], seconds: float | None = None
-    ) -> None:
-        """Record a step the runner ran: its time (when given), the acceptance of every request
-        that carried drafts (`sampled[id]` = accepted drafts + one token), and release state
-        of the plan's preempted and finished requests."""
-        if seconds is not None and plan.num_tokens > 0:
-            self.picker.record_step_time(plan.num_tokens, seconds)
+    def observe(self, plan: StepPlan, sampled: Mapping[str, list[int]]) -> None:
+        """Record a step the runner ran: the acceptance of every request that carried drafts
+        (`sampled[id]` = accepted drafts + one token), and release state of the plan's
+        preempted and finished requests. Its cost goes to `record_step_time`."""
         for s in plan.scheduled:
             out = sampled.get(s.request_id)
             if s.draft_token_ids and out:

@@ -68,6 +68,10 @@ class QTensor:
     def device(self) -> torch.device:
         return self.data.device
 
+    def values_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The cached copy of the values (`values`) when it is in `dtype`, else None."""
+        return self.values if self.values is not None and self.values.dtype == dtype else None
+
     def to(self, device: torch.device | str) -> QTensor:
         return QTensor(self.data.to(device), self.qtype, self.shape)
 

@@ -215,7 +215,8 @@ def test_speculator_with_draft_keeps_greedy_output(model, prompts):
                     break
                 out.append(d)
             sampled[s.request_id] = out + [truth[pos + len(out)]]
-        spec.observe(plan, sampled, seconds=1.0)  # a target step costs far more than drafting
+        spec.observe(plan, sampled)
+        spec.record_step_time(plan.num_tokens, 1.0)  # a target step costs far more than drafting
         sched.update(plan, sampled)
         spec.draft(sched.running)
         steps += 1

@@ -289,7 +289,6 @@ def test_picker_is_fed_whole_steps(demo_pair):
         engine.step()
     assert len(steps) == len(forwards) == len(commits) > 10
     assert all(s >= f + c for s, f, c in zip(steps, forwards, commits, strict=True))
-    assert spec.draft_forward_seconds >= 0.0
 
 
 @torch.inference_mode()

@@ -249,7 +249,8 @@ def simulate(
         seconds = cost(plan.num_tokens)
         total += seconds
         if spec:
-            spec.observe(plan, sampled, seconds)
+            spec.observe(plan, sampled)
+            spec.record_step_time(plan.num_tokens, seconds)
         sched.update(plan, sampled)
         if spec:
             spec.draft(sched.running)
