@@ -53,7 +53,8 @@ MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 DEQUANT_MIN_M = 32
 # Rows from which weights of MMVQ_QTYPES take the int8 tensor-core kernel (`kernels.mmq`) below
 # DEQUANT_MIN_M. H200, N=12288 K=4096 Q4_K (bench/mmq_gpu.py): M=8 34.8 us (mmvq 140.3),
-# M=16 39.7 us (dequantize + cuBLAS 71.0); mmvq stays for 1-2 rows (23.4 / 33.0 us).
+# M=16 39.7 us (dequantize + cuBLAS 71.0); mmvq stays for 1-2 rows (23.4 / 33.0 us). MMQ was
+# not timed below 8 rows: the switch at 3 is an estimate.
 MMQ_MIN_M = 3
 # Rows from which a weight with a cached bf16 copy (`--weight-cache-gib`) is multiplied by cuBLAS
 # on the copy: it reads 16 bits per weight where MMQ reads ~4.5 plus its unpacking, so it pays
