@@ -10,7 +10,7 @@
 #   bench/scripts/gpu_figures.sh experts 30B-A3B with ~50/25/10% of experts on the device: zero-copy
 #                                        placement, then streaming (50%)
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
-#                                        512-token prefill and of decode steps at 8 and 32
+#                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
 part=${1:?usage: gpu_figures.sh check|models|experts|profile}
 out=${OUT:-/tmp/gpu-figures}
@@ -79,9 +79,9 @@ case $part in
     timeout 200 python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches 1,8,32 \
       --steps 50 > "$out/host_overhead.txt" 2>&1
     echo "[host_overhead rc=$?]"; head -60 "$out/host_overhead.txt"
-    for b in 8 32; do
-      timeout 200 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
-        --batch "$b" --decode-tokens 8 --rows 30 > "$out/profile_b$b.txt" 2>&1
+    for b in 1 8 32; do
+      timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
+        --batch "$b" --decode-tokens 16 --rows 40 > "$out/profile_b$b.txt" 2>&1
       echo "[profile b=$b rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$b.txt" | head -90
     done
     ;;
