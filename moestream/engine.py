@@ -105,6 +105,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
         self._speculator = speculator
+        self.runner.run_ahead = speculator is None  # see the speculator setter
         self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
@@ -213,6 +214,8 @@ class Engine:
         if self._speculator is not None and self._speculator is not speculator:
             self._speculator.release_all()  # its requests' end would reach the next one only
         self._speculator = speculator
+        # A queued step would sit ahead of the draft model's forwards and the verification.
+        self.runner.run_ahead = speculator is None
 
     def build_speculator(
         self, spec: SpecConfig | None, draft_num_blocks: int | None = None

@@ -316,27 +316,35 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run_decode(
         self,
-        token_ids: Sequence[int],
+        token_ids: Sequence[int] | torch.Tensor,
         positions: Sequence[int],
         block_ids: Sequence[list[int]],
     ) -> torch.Tensor:
         """Logits [B, V] of one decode step from host data: per sequence its one new token,
         that token's position and the sequence's block table (covering the position). Writes
         the tokens' K/V like the eager forward. One host -> device copy; the result is a view
-        of a static buffer, valid until the next run."""
-        n = len(token_ids)
+        of a static buffer, valid until the next run.
+
+        `token_ids` may be a tensor [B] int64 on the graphs' device instead (a step launched
+        before the host has read the tokens it feeds: `ModelRunner`'s run-ahead); it is copied
+        into the static input after the host data, on the same stream."""
+        n = len(positions)
+        on_device = isinstance(token_ids, torch.Tensor)
         bucket = self.bucket_for(n)
         self._prepare(bucket, 1)
         bs = self.block_size
         slots = [b[p // bs] * bs + p % bs for p, b in zip(positions, block_ids, strict=True)]
         first, last = self._stage_tables(block_ids)
-        self._host_input_ids[:n] = token_ids
+        if not on_device:
+            self._host_input_ids[:n] = token_ids
         self._host_positions[:n] = positions
         self._host_slot_mapping[:n] = slots
         self._host_slot_mapping[n:bucket] = -1  # padding rows: no KV write, no attention
         self._host_seq_lens[:n] = self._host_positions[:n] + 1
         self._host_seq_lens[n:bucket] = 0
         self._send(first, last)
+        if on_device:
+            self.input_ids[:n].copy_(token_ids, non_blocking=True)  # after the host copy
         return self.replay(bucket)[:n]
 
     @torch.inference_mode()

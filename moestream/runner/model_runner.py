@@ -72,20 +72,61 @@ class HostReader:
     def __init__(self, device: torch.device):
         self.device = device
         self._buffer: torch.Tensor | None = None
+        self._pending = torch.empty(0, dtype=torch.int64)
         self._done = torch.cuda.Event() if device.type == "cuda" else None
 
     def read(self, token_ids: torch.Tensor) -> list[int]:
         """`token_ids` [N] int64 (on the reader's device) as a list of ints."""
+        self.start(token_ids)
+        return self.finish()
+
+    def start(self, token_ids: torch.Tensor) -> None:
+        """Queue the copy of `token_ids` [N] int64 to the host; `finish` waits for it. Work
+        queued in between runs on the device while the host waits."""
         if self._done is None:
-            return token_ids.tolist()
+            self._pending = token_ids
+            return
         n = token_ids.shape[0]
         if self._buffer is None or self._buffer.shape[0] < n:
             self._buffer = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
-        host = self._buffer[:n]
-        host.copy_(token_ids, non_blocking=True)
+        self._pending = self._buffer[:n]
+        self._pending.copy_(token_ids, non_blocking=True)
         self._done.record(torch.cuda.current_stream(self.device))
-        self._done.synchronize()
-        return host.tolist()
+
+    def finish(self) -> list[int]:
+        """The ids of the last `start` as a list of ints (waits for their copy)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._pending.tolist()
+
+
+@dataclass
+class RunAhead:
+    """A decode step queued on the device before the host had read the tokens it feeds (the
+    previous step's argmax, copied on the device): what it was launched with, to be matched
+    against the step the scheduler then plans."""
+
+    request_ids: list[str]
+    positions: list[int]  # each request's fed position
+    slots: list[int]  # the KV slot of that position
+    logits: torch.Tensor  # [B, V], valid once the stream reaches it
+    tokens: list[int] = field(default_factory=list)  # the fed tokens, once read back
+
+    def matches(self, reqs: Sequence[ScheduledRequest], block_size: int) -> bool:
+        """Whether `reqs` is exactly the step this one ran: same requests in the same order,
+        same tokens, positions and KV slots."""
+        if len(reqs) != len(self.request_ids):
+            return False
+        for i, s in enumerate(reqs):
+            p = s.start_pos
+            if (
+                s.request_id != self.request_ids[i]
+                or p != self.positions[i]
+                or s.token_ids[0] != self.tokens[i]
+                or s.block_ids[p // block_size] * block_size + p % block_size != self.slots[i]
+            ):
+                return False
+        return True
 
 
 class ModelRunner:
@@ -108,6 +149,11 @@ class ModelRunner:
         self.graphs = None if enforce_eager else decode_graphs_for(model, kv, block_size)
         # (bucket, tokens per sequence) of the graph the last `execute` replayed; None: eager.
         self.last_step_graph: tuple[int, int] | None = None
+        # Run-ahead of greedy decode steps (`_decode_ahead`): on unless the engine speculates
+        # (a draft model's forwards and the verifier's reads would queue behind it).
+        self.run_ahead = True
+        self._ahead: RunAhead | None = None
+        self.run_ahead_hits = 0  # steps whose forward was already queued when planned
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""
@@ -127,12 +173,15 @@ class ModelRunner:
         """Run one step: forward over every fed token, then one sampled token per request whose
         fed tokens reach its end (after its accepted drafts, for a request with drafts)."""
         self.last_step_graph = None
+        ahead, self._ahead = self._ahead, None  # good for this step only
         if plan.is_empty:
             return RunnerOutput()
         reqs = plan.scheduled
         graph = self._graph_step(reqs)
         if graph is not None and self.graphs is not None:
             self.last_step_graph = graph
+            if graph[1] == 1 and self._may_run_ahead(reqs):
+                return self._decode_ahead(reqs, ahead)
             tokens = [s.token_ids[0] for s in reqs]
             starts = [s.start_pos for s in reqs]
             blocks = [s.block_ids for s in reqs]
@@ -150,6 +199,62 @@ class ModelRunner:
         if batch.has_drafts:
             return self.sample_with_drafts(logits, batch.sampled)
         return self.sample(logits, batch.sampled)
+
+    # ---- run-ahead ---------------------------------------------------------------------
+    # A greedy decode step's tokens are known on the device before the host reads them, and the
+    # next step's positions, slots and tables before the host plans it. So after queueing step
+    # n's argmax and its read-back, the runner queues step n + 1 as well, fed by that argmax on
+    # the device, and only then waits for step n's tokens: the host commits, plans and
+    # detokenizes while the device runs step n + 1, instead of the device waiting for the host.
+    # When the plan for n + 1 is the step that was queued (same requests, tokens and slots), its
+    # logits are used; otherwise they are dropped and the planned step runs. A dropped step
+    # only wrote K/V at positions past what its requests have committed, in their own
+    # unshared last blocks: the step that feeds those positions rewrites them before anything
+    # reads them (or the blocks were freed, and their next owner writes before it reads).
+
+    def _may_run_ahead(self, reqs: list[ScheduledRequest]) -> bool:
+        return (
+            self.run_ahead
+            and self.logits_processor is None
+            and all(argmax_only(s.sampling_params) for s in reqs)
+        )
+
+    def _decode_ahead(self, reqs: list[ScheduledRequest], ahead: RunAhead | None) -> RunnerOutput:
+        """A graph decode step of greedy requests, using `ahead` when it is this step, and
+        queueing the next step before reading this one's tokens."""
+        graphs = self.graphs
+        assert graphs is not None
+        if ahead is not None and ahead.matches(reqs, self.block_size):
+            logits = ahead.logits
+            self.run_ahead_hits += 1
+        else:
+            tokens = [s.token_ids[0] for s in reqs]
+            starts = [s.start_pos for s in reqs]
+            logits = graphs.run_decode(tokens, starts, [s.block_ids for s in reqs])  # [B, V]
+        token_ids = self.sampler.argmax(logits)  # [B] on the device
+        self.reader.start(token_ids)
+        self._ahead = self._launch_next(reqs, token_ids)
+        sampled = self.reader.finish()
+        if self._ahead is not None:
+            self._ahead.tokens = sampled
+        return RunnerOutput(sampled={s.request_id: [t] for s, t in zip(reqs, sampled)})
+
+    def _launch_next(
+        self, reqs: list[ScheduledRequest], token_ids: torch.Tensor
+    ) -> RunAhead | None:
+        """Queue the decode step that follows `reqs` if it needs no new KV block and some
+        request may still be running after this step (max_tokens not reached by all)."""
+        bs = self.block_size
+        positions = [s.start_pos + 1 for s in reqs]
+        if any(p >= len(s.block_ids) * bs for s, p in zip(reqs, positions)):
+            return None
+        if all(len(s.output_token_ids) + 1 >= s.sampling_params.max_tokens for s in reqs):
+            return None
+        assert self.graphs is not None
+        blocks = [s.block_ids for s in reqs]
+        logits = self.graphs.run_decode(token_ids, positions, blocks)
+        slots = [b[p // bs] * bs + p % bs for b, p in zip(blocks, positions)]
+        return RunAhead([s.request_id for s in reqs], positions, slots, logits)
 
     def _sampling_batch(self, reqs: list[ScheduledRequest]) -> SamplingBatch:
         """The requests' sampling parameters and histories as device tensors."""

@@ -1,0 +1,96 @@
+"""Run-ahead of greedy decode steps (runner/model_runner.py): the next step is queued, fed by the
+previous step's argmax on the device, before the host reads that argmax.
+
+On the CPU the decode graphs are driven by `RecomputeBackend` over the real demo model's forward
+(what a CUDA graph replay computes), so the runner takes its graph path and its run-ahead. The
+tokens must equal those of the same engine with run-ahead off, including when requests arrive,
+finish or cross into new KV blocks between steps; and run-ahead must actually be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moestream import LLM
+from moestream.cli import DEMO_MODEL
+from moestream.runner.cuda_graph import DecodeGraphs, RecomputeBackend
+from moestream.types import SamplingParams
+
+
+def _llm(path: str, run_ahead: bool) -> LLM:
+    llm = LLM(path, device="cpu", kv_cache_gib=0.05, enable_prefix_caching=False)
+    engine = llm.engine
+    model, kv, bs = engine.model, engine.kv, engine.cache_config.block_size
+
+    def forward(ids, pos, attn):
+        if bool((attn.slot_mapping < 0).any()):  # the capture's all-padding run (no K/V write)
+            return torch.zeros(ids.shape[0], model.config.vocab_size)
+        # The reference attention reads the lengths on the host (a graph's kernels do not).
+        attn = dataclasses.replace(
+            attn, query_lens_cpu=[1] * ids.shape[0], seq_lens_cpu=attn.seq_lens.tolist()
+        )
+        return model.compute_logits(model.forward(ids, pos, attn, kv))  # [B, V]
+
+    engine.runner.graphs = DecodeGraphs(
+        forward, bs, 64, "cpu", buckets=(1, 2, 3), backend=RecomputeBackend(),
+        verify_buckets=(), verify_tokens=(),
+    )  # fmt: skip
+    engine.runner.run_ahead = run_ahead
+    return llm  # a bucket per batch size used: the reference attention takes no padding rows
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(11 * i + 7 * j) % 500 + 3 for j in range(5 + 4 * i)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _llm(str(DEMO_MODEL), True), _llm(str(DEMO_MODEL), False)
+
+
+def test_run_ahead_tokens_equal_plain_steps(pair):
+    ahead, plain = pair
+    # Different lengths: requests finish at different steps; 20 tokens cross a 16-token block.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 7, 13)]
+    prompts = _prompts(3)
+    got = [o.token_ids for o in ahead.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert got == want
+    assert ahead.engine.runner.run_ahead_hits > 10
+    assert plain.engine.runner.run_ahead_hits == 0
+
+
+def test_run_ahead_survives_arrivals_between_steps(pair):
+    """A request added while others decode changes the planned step: the queued one is dropped
+    and the planned step runs; the text is unchanged."""
+
+    def run(llm: LLM) -> dict[str, list[int]]:
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompts = _prompts(3)
+        ids = [engine.add_request(prompts[0], params)]
+        out: dict[str, list[int]] = {ids[0]: []}
+        steps = 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            steps += 1
+            if steps in (4, 9):
+                rid = engine.add_request(prompts[len(ids)], params)
+                ids.append(rid)
+        return {rid: out[rid] for rid in ids} | {"order": ids}  # type: ignore[dict-item]
+
+    ahead, plain = pair
+    got, want = run(ahead), run(plain)
+    assert [got[r] for r in got["order"]] == [want[r] for r in want["order"]]
+
+
+def test_no_run_ahead_for_sampled_requests(pair):
+    ahead, _ = pair
+    before = ahead.engine.runner.run_ahead_hits
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
+    ahead.generate(_prompts(1), params)
+    assert ahead.engine.runner.run_ahead_hits == before
