@@ -12,6 +12,12 @@ max |ref|; FAIL above 1e-4 for the dense float32 outputs, 2e-2 for the MoE's bfl
 are medians of CUDA-graph replays over weight copies that span twice the L2 cache
 (`bench/kernels_gpu.py`'s method), activation quantization included.
 Exits with status 1 on a mismatch.
+
+    python bench/mmq_gpu.py --switch
+
+times instead, at bf16 activations, `mmq` against dequantize + cuBLAS for the dense decode and
+prefill shapes of Qwen3-30B-A3B and Qwen3-8B at M = 16 .. 256, and the MoE layer's "mmq" path
+against its dequantize + grouped GEMM path at T = 64 .. 256: where the defaults should switch.
 """
 
 from __future__ import annotations
@@ -122,9 +128,84 @@ def moe_case(t: int, gen: torch.Generator, reps: int) -> bool:
     return ok
 
 
+def switch_case(m: int, n: int, k: int, qtype: T, gen: torch.Generator, reps: int) -> str:
+    """mmq against dequantize + cuBLAS (`dequant_matmul`) on bf16 activations: one line."""
+    from moestream.kernels.dequant_mm import dequant_matmul
+    from moestream.kernels.mmq import mmq
+    from moestream.kernels.mmvq import quantize_q8
+
+    w = random_qtensor(qtype, (n, k), gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    weights = [w] + [
+        QTensor(w.data.clone(), w.qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)
+    ]
+    us_q = graph_time_us([lambda w=w_: mmq(quantize_q8(x), w, out=out) for w_ in weights], reps)
+    us_d = graph_time_us([lambda w=w_: dequant_matmul(x, w, out=out) for w_ in weights], reps)
+    best = "mmq" if us_q <= us_d else "dequant"
+    return (
+        f"switch {qtype.name} M={m:4d} N={n:5d} K={k:5d}: mmq {us_q:8.1f} us | dequant+cuBLAS "
+        f"{us_d:8.1f} us | faster: {best}"
+    )
+
+
+def moe_switch_case(t: int, gen: torch.Generator, reps: int) -> str:
+    """The MoE layer at T tokens: moe_mmq against the dequantize + grouped GEMM path."""
+    from moestream.kernels.moe import fused_moe
+
+    qg, qd = T.Q4_K, T.Q6_K
+    per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)
+    c = min(copies_for(E * per_expert), max(1, (24 << 30) // (E * per_expert)))
+    gate = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    up = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
+    down = random_qtensor(qd, (c * E, HIDDEN, FFN), gen)
+    x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    calls = []
+    for i in range(c):
+        logits = torch.randn(t, E, device="cuda", generator=gen)
+        weights, ids = torch.topk(torch.softmax(logits, -1), TOPK, dim=-1)
+        slot = torch.arange(E, dtype=torch.int32, device="cuda") + i * E
+        calls.append((ids, weights / weights.sum(-1, keepdim=True), slot))
+    us = {}
+    for method in ("mmq", "dequant"):
+        us[method] = graph_time_us(
+            [
+                lambda a=a, m_=method: fused_moe(
+                    x, a[0], a[1], gate, up, down, a[2], out=out, method=m_
+                )
+                for a in calls
+            ],
+            reps,
+        )
+    best = min(us, key=us.get)
+    return (
+        f"switch moe T={t:4d} (A={t * TOPK}): mmq {us['mmq']:8.1f} us | dequant+grouped GEMM "
+        f"{us['dequant']:8.1f} us | faster: {best}"
+    )
+
+
+def switch(gen: torch.Generator, reps: int) -> None:
+    """Where the default paths should switch (ops.DEQUANT_MIN_M, moe.MMQ_MAX_ASSIGNMENTS)."""
+    shapes = [  # Qwen3-30B-A3B q/k/v and o; Qwen3-8B q/k/v, o, gate+up, down
+        (5120, 2048, T.Q4_K), (2048, 4096, T.Q4_K), (6144, 4096, T.Q4_K),
+        (4096, 4096, T.Q4_K), (24576, 4096, T.Q4_K), (4096, 12288, T.Q6_K),
+    ]  # fmt: skip
+    for n, k, qtype in shapes:
+        for m in (16, 32, 64, 128, 256):
+            print(switch_case(m, n, k, qtype, gen, reps), flush=True)
+    for t in (64, 128, 256):
+        print(moe_switch_case(t, gen, reps), flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20, help="graph replays per timing")
+    parser.add_argument(
+        "--switch", action="store_true",
+        help="only time mmq against dequantize + cuBLAS / grouped GEMM (the default switches)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -133,6 +214,9 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs")
+    if args.switch:
+        switch(gen, args.reps)
+        return 0
     ok = True
     for n, k in ((12288, 4096), (4096, 2048)):
         for m in (8, 16, 32, 64):
