@@ -405,11 +405,13 @@ class Attention:
         # (one token per sequence included), so a token's bits never depend on whether it came
         # in a decode step, a prefill chunk or a verification.
         if kernels and attn.is_decode and not batch_invariant_enabled():
-            from moestream.kernels.paged_attention import paged_decode_attention
+            from moestream.kernels import paged_attention as pa
 
-            o = paged_decode_attention(
-                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale
-            )  # [T, n, D]
+            splits = pa.decode_num_splits(t, k_cache.shape[2], pa.device_num_sms(q.device))
+            o = pa.paged_decode_attention(
+                q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
+                num_splits=splits,
+            )  # [T, n, D]  # fmt: skip
         elif kernels and (attn.query_len_bound is not None or attn.is_decode):
             from moestream.kernels.prefill_attention import paged_prefill_attention
 

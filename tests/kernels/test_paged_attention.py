@@ -17,7 +17,11 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from moestream.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from moestream.kernels.paged_attention import (  # noqa: E402
+    NUM_SPLITS,
+    decode_num_splits,
+    paged_decode_attention,
+)
 
 
 def case(n: int, g: int, d: int, block_size: int, seq_lens: list[int], dtype, seed: int):
@@ -99,6 +103,72 @@ def test_strided_query_and_output_buffer():
     torch.testing.assert_close(out, paged_decode_ref(q, k, v, tables, lens, 0.3))
 
 
+@pytest.mark.parametrize(
+    "n, g, block_size, block_n, num_splits",
+    [(8, 2, 16, 64, 5), (4, 2, 4, 16, 12), (16, 1, 16, 128, 3), (6, 2, 8, 32, 7)],
+)
+def test_last_program_merge_matches_reference(n, g, block_size, block_n, num_splits):
+    """The merge done by the last split to finish (counters given) against the reference and
+    the merge kernel: GQA groups of 4, 2, 16 and 3 (padded rows), tiles of 16-128 tokens, more
+    splits than tiles (12 splits of 16-token tiles over at most 130 tokens), a padding row."""
+    seq_lens = [1, 64, 0, 130, 17]
+    q, k, v, tables, lens = case(n, g, 32, block_size, seq_lens, torch.float32, seed=n + g)
+    counters = torch.zeros(len(seq_lens) * g + 3, dtype=torch.int32, device=DEVICE)
+    args = (q, k, v, tables, lens, 32**-0.5)
+    fused = paged_decode_attention(*args, num_splits=num_splits, counters=counters, block_n=block_n)
+    merged = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n)
+    ref = paged_decode_ref(*args)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused[2], torch.zeros_like(fused[2]))  # padding row
+    assert not counters.any()  # left zero for the next launch
+
+
+def test_counters_survive_replays():
+    """Launched again on the same counter buffer (as a replayed CUDA graph does), the fused
+    merge gives the same bits, also after a launch with another batch and split count."""
+    q, k, v, tables, lens = case(8, 2, 32, 8, [70, 3, 33], torch.float32, seed=9)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    first = paged_decode_attention(q, k, v, tables, lens, 0.2, num_splits=6, counters=counters)
+    paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.2, num_splits=3, counters=counters)
+    again = paged_decode_attention(q, k, v, tables, lens, 0.2, num_splits=6, counters=counters)
+    assert torch.equal(first, again)
+    assert not counters.any()
+    counters[0] = 6  # a stale count: no program of (sequence 0, KV head 0) sees itself last
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, tables, lens, 0.2, out, num_splits=6, counters=counters)
+    assert out[0, :4].isnan().all() and torch.equal(out[0, 4:], first[0, 4:])
+    assert counters.tolist() == [12] + [0] * 7
+
+
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_tile_sizes_half_precision(block_n):
+    """Other tile sizes, bfloat16 caches, both merges."""
+    q, k, v, tables, lens = case(8, 2, 64, 16, [5, 150, 0], torch.bfloat16, seed=block_n)
+    ref = paged_decode_ref(q.float(), k.float(), v.float(), tables, lens, 64**-0.5)
+    counters = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    for c in (None, counters):
+        out = paged_decode_attention(
+            q, k, v, tables, lens, 64**-0.5, num_splits=3, counters=c, block_n=block_n
+        )
+        assert (out.float() - ref).abs().max().item() < 3e-2
+
+
+def test_split_count_rule():
+    """At least 2 programs per SM when the batch alone cannot fill the GPU, never fewer than
+    NUM_SPLITS; a function of (B, g, SMs) only."""
+    assert decode_num_splits(1, 4, 132) == 66  # 264 programs on 132 SMs
+    assert decode_num_splits(2, 4, 132) == 33
+    assert decode_num_splits(4, 4, 132) == 17
+    assert decode_num_splits(8, 4, 132) == NUM_SPLITS
+    assert decode_num_splits(32, 4, 132) == NUM_SPLITS
+    assert decode_num_splits(1, 4, 0) == NUM_SPLITS  # not a CUDA device
+    for b in range(1, 40):
+        s = decode_num_splits(b, 4, 132)
+        assert s >= NUM_SPLITS and b * 4 * s >= 2 * 132
+        assert s == NUM_SPLITS or b * 4 * (s - 1) < 2 * 132  # the least that fills
+
+
 def test_rejects_bad_arguments():
     q, k, v, tables, lens = case(8, 2, 32, 8, [5, 6], torch.float32, seed=1)
     with pytest.raises(ValueError, match="int32"):
@@ -107,3 +177,7 @@ def test_rejects_bad_arguments():
         paged_decode_attention(q[:, :7], k, v, tables, lens, 1.0)
     with pytest.raises(ValueError, match="seq_lens"):
         paged_decode_attention(q, k, v, tables, lens[:1], 1.0)
+    with pytest.raises(ValueError, match="counters"):
+        paged_decode_attention(q, k, v, tables, lens, 1.0, counters=torch.zeros(3))
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode_attention(q, k, v, tables, lens, 1.0, block_n=48)
