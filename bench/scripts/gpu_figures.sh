@@ -9,10 +9,12 @@
 #                                        cost, prefix reuse, --deterministic cost
 #   bench/scripts/gpu_figures.sh experts 30B-A3B with ~50/25/10% of experts on the device: zero-copy
 #                                        placement, then streaming (50%)
+#   bench/scripts/gpu_figures.sh tune    launch-shape sweeps (MoE decode, dense decode GEMV,
+#                                        decode attention), path switches, host time, b=1 profile
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|models|experts|profile}
+part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -84,6 +86,20 @@ case $part in
         --batch "$b" --decode-tokens 16 --rows 40 > "$out/profile_b$b.txt" 2>&1
       echo "[profile b=$b rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$b.txt" | head -90
     done
+    ;;
+  tune)
+    # launch shapes and path switches: one run picks the defaults (bench/RESULTS.md)
+    timeout 150 python3 bench/kernels_gpu.py --sweep-moe 2>&1 | tee "$out/sweep_moe.log" | tail -40
+    timeout 100 python3 bench/mmvq_sweep.py 2>&1 | tee "$out/sweep_mmvq.log" | tail -40
+    timeout 100 python3 bench/attention_gpu.py 2>&1 | tee "$out/attention.log" | tail -40
+    timeout 120 python3 bench/mmq_gpu.py --switch 2>&1 | tee "$out/switch.log" | tail -40
+    synth qwen3-30b-a3b q30
+    timeout 120 python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches 1,8 \
+      --steps 50 > "$out/host_overhead.txt" 2>&1
+    echo "[host_overhead rc=$?]"; head -8 "$out/host_overhead.txt"
+    timeout 120 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
+      --batch 1 --decode-tokens 16 --rows 40 > "$out/profile_b1.txt" 2>&1
+    echo "[profile b=1 rc=$?]"; sed -n '/## decode/,$p' "$out/profile_b1.txt" | cut -c1-60,160-240 | head -45
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
