@@ -340,28 +340,82 @@ def sweep(gen, copy_gbs: float) -> None:
 
 
 def sweep_moe(gen, copy_gbs: float) -> None:
-    """The MoE "mmvq" path over launch configurations at T = 1 and 8: the 5 fastest and the
-    default."""
+    """The MoE "mmvq" path over its launch variants (`MoeMmvqConfig`), Qwen3-30B-A3B layer,
+    Q4_K/Q6_K. T = 1: the gate/up variants (groups per step, warps, K split, gate and up in
+    one step or not, tree or plain sums) with the default down, then the down variants (rows
+    per program, groups per step, warps, experts unrolled per loop step, "rows" tile or not)
+    with the fastest gate/up. T = 8: the 6 fastest at T = 1, the default and the shape before
+    the variants ("before"). Prints the fastest of each stage, then the T = 8 candidates with
+    both times and the pick: the fastest at T = 1 among those no slower at T = 8 than
+    "before"."""
+    from dataclasses import replace
+
     from moestream.kernels.moe import MoeMmvqConfig
 
     mix = (T.Q4_K, T.Q6_K)
-    configs = [
-        MoeMmvqConfig(*c) for c in itertools.product((2, 4, 8), (4, 8), (2, 4, 8), (4,), (4, 8))
-    ]
-    for t in (1, 8):  # T = 8 tries the 8 fastest at T = 1 and the default
-        results = []
-        for cfg in configs:
-            r = bench_moe(t, mix, torch.bfloat16, "mmvq", gen=gen, mmvq_cfg=cfg)
-            results.append((r.us, cfg, r))
+    default = MoeMmvqConfig()
+    before = MoeMmvqConfig(  # the kernels' shape before the variants, spelled out
+        up_groups=4, up_warps=8, up_split=1, up_fused=False, up_tree=True,
+        down_block_n=4, down_groups=4, down_warps=4, down_experts=8, down_rows=False,
+        down_tree=True,
+    )  # fmt: skip
+
+    def short(c: MoeMmvqConfig) -> str:
+        up = (
+            f"up g{c.up_groups} w{c.up_warps} s{c.up_split} fused={c.up_fused:d} tree={c.up_tree:d}"
+        )
+        down = f"down n{c.down_block_n} g{c.down_groups} w{c.down_warps} e{c.down_experts}"
+        return f"{up} | {down} rows={c.down_rows:d} tree={c.down_tree:d}"
+
+    def timed(t: int, configs, title: str, show: int = 6) -> dict:
+        times = {}
+        for cfg in dict.fromkeys(configs):
+            try:
+                r = bench_moe(t, mix, torch.bfloat16, "mmvq", gen=gen, mmvq_cfg=cfg)
+            except Exception as exc:  # a config the compiler rejects: report, go on
+                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            times[cfg] = (r.us, r)
+            print(f"    T={t} {r.us:8.1f} us  {short(cfg)}", flush=True)
             torch.cuda.empty_cache()
-        results.sort(key=lambda item: item[0])
-        configs = list(dict.fromkeys([c for _, c, _ in results[:8]] + [MoeMmvqConfig()]))
-        print(f"\nMoE mmvq T={t}: {len(results)} configs")
-        default = [item for item in results if item[1] == MoeMmvqConfig()]
-        for us, cfg, r in results[:5] + default:
+        ranked = sorted(times, key=lambda c: times[c][0])
+        print(f"\nMoE mmvq T={t}, {title}: {len(times)} configs", flush=True)
+        marked = [c for c in (default, before) if c in times]
+        for cfg in list(dict.fromkeys(ranked[:show] + marked)):
+            us, r = times[cfg]
             gbs = r.nbytes / us / 1e3
-            mark = " (default)" if cfg == MoeMmvqConfig() else ""
+            mark = " (default)" if cfg == default else " (before)" if cfg == before else ""
             print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+        return times
+
+    up_grid = [
+        replace(default, up_groups=g, up_warps=w, up_split=s, up_fused=f, up_tree=tree)
+        for g, s in ((2, 1), (4, 1), (2, 2), (4, 2), (2, 4))  # H = 2048: 8 groups
+        for w in (4, 8)
+        for f, tree in ((True, False), (False, True))  # unfused: always trees
+    ]
+    t1 = timed(1, [*up_grid, default, before], "gate/up variants")
+    best_up = replace(min(t1, key=lambda c: t1[c][0]), down_rows=True)
+    down_grid = [  # F = 768: 3 groups, in one step with a masked fourth
+        replace(best_up, down_block_n=n, down_groups=4, down_warps=w, down_experts=e)
+        for n in (4, 8)
+        for w in (4, 8)
+        for e in (2, 4, 8)
+    ]
+    down_grid += [
+        replace(best_up, down_block_n=4, down_experts=e, down_rows=False, down_tree=False)
+        for e in (2, 8)
+    ]
+    t1.update(timed(1, down_grid, "down variants"))
+    ranked = sorted(t1, key=lambda c: t1[c][0])
+    t8 = timed(8, list(dict.fromkeys([*ranked[:6], default, before])), "candidates", show=8)
+    print("\nMoE mmvq candidates, T=1 / T=8 us:")
+    for cfg in t8:
+        print(f"  {t1[cfg][0]:8.1f} {t8[cfg][0]:8.1f}  {cfg}")
+    limit = t8[before][0] if before in t8 else float("inf")
+    ok = [c for c in t8 if c in t1 and t8[c][0] <= limit] or list(t8)
+    pick = min(ok, key=lambda c: t1[c][0])
+    print(f"pick (fastest at T=1, T=8 no slower than before): {pick}")
 
 
 def main() -> int:

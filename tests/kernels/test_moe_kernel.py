@@ -22,10 +22,13 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from moestream.kernels.mmvq import quantize_q8  # noqa: E402
 from moestream.kernels.moe import (  # noqa: E402
+    MoeMmvqConfig,
     align_assignments,
     default_method,
     fused_moe,
+    mmvq_counters,
     moe_mmvq_ref,
 )
 
@@ -90,7 +93,7 @@ def test_fused_moe_matches_reference(experts, method, t, k, dtype):
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("t, k, dtype", [(1, 2, torch.float32), (3, 3, torch.bfloat16)])
+@pytest.mark.parametrize("t, k, dtype", [(1, 2, torch.float32), (2, 2, torch.bfloat16)])
 def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     """The integer-dot decode path against its own reference (8-bit x and h, exact weights),
     and against the float reference within 8-bit activation rounding."""
@@ -100,7 +103,7 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     ids, weights = routing(t, k, RESIDENT, seed=t + 7)
     slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
     out = torch.full((t, H), float("nan"), dtype=dtype, device=DEVICE)
-    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", block_n=64)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", block_n=256)
     ref = moe_mmvq_ref(x, ids, weights, gate, up, down, slot)
     assert rel_err(out, ref) < (2e-3 if dtype == torch.float32 else 2e-2)
     exact = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)
@@ -108,7 +111,7 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     # each token's result does not depend on the other tokens in the batch
     one = torch.empty((1, H), dtype=dtype, device=DEVICE)
     fused_moe(x[-1:], ids[-1:], weights[-1:], gate, up, down, slot, out=one, method="mmvq",
-              block_n=64)  # fmt: skip
+              block_n=256)  # fmt: skip
     assert torch.equal(one[0], out[-1])
     assert default_method(t * k, gate, up, down) == "mmvq"
     assert default_method(128, gate, up, down) == "mmvq"
@@ -135,7 +138,8 @@ def test_fused_moe_q8_0_and_int32_ids():
         fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
         assert rel_err(out, ref) < 1e-5, method
     out = torch.full((4, 256), float("nan"), device=DEVICE)
-    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq")
+    cfg = MoeMmvqConfig(down_block_n=256)  # few programs for the interpreter
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", mmvq_cfg=cfg)
     assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
 
 
@@ -231,19 +235,21 @@ def test_fused_moe_mmvq_reads_experts_through_an_address_table(experts):
     """Expert weights found by byte address (copies outside the stacks, as pinned host memory
     would hold them) give the same bits as the stacked slots."""
     gate, up, down = experts
-    x = torch.randn(2, H, generator=torch.Generator().manual_seed(11)).to(DEVICE, torch.bfloat16)
-    ids, weights = routing(2, 2, RESIDENT, seed=12)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(11)).to(DEVICE, torch.bfloat16)
+    ids, weights = routing(1, 2, RESIDENT, seed=12)
     slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
-    ref = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq")
+    cfg = MoeMmvqConfig(down_block_n=256, down_experts=1)  # few programs for the interpreter
+    ref = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq", mmvq_cfg=cfg)
     copies = [
         [w.data[s].clone() if s >= 0 else w.data[0].clone() for s in SLOT] for w in (gate, up, down)
     ]  # per kind, per expert: its bytes in a buffer of its own
     addr = torch.tensor(
         [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
     )  # [3, E]
-    out = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq", expert_addr=addr)
+    kw = {"method": "mmvq", "mmvq_cfg": cfg, "expert_addr": addr}
+    out = fused_moe(x, ids, weights, gate, up, down, slot, **kw)
     assert torch.equal(out, ref)
-    no_slots = fused_moe(x, ids, weights, gate, up, down, None, method="mmvq", expert_addr=addr)
+    no_slots = fused_moe(x, ids, weights, gate, up, down, None, **kw)
     assert torch.equal(no_slots, ref)  # the slot table is not read
     with pytest.raises(ValueError, match="expert_slot or expert_addr"):
         fused_moe(x, ids, weights, gate, up, down, None, method="mmvq")
@@ -251,3 +257,89 @@ def test_fused_moe_mmvq_reads_experts_through_an_address_table(experts):
         fused_moe(x, ids, weights, gate, up, down, slot, method="gemm", expert_addr=addr)
     with pytest.raises(ValueError, match="int64"):
         fused_moe(x, ids, weights, gate, up, down, slot, expert_addr=addr.int())
+
+
+H2 = 512  # two groups of 256: room for a K split of gate/up
+# Variants of the "mmvq" path (`MoeMmvqConfig`), each with its type mix and batch; large down
+# blocks keep the interpreter's program count low.
+MMVQ_VARIANTS = [
+    (  # K split with the last-arriving epilogue, gate and up in one step, experts one at a
+        # time over the [1, rows, runs, words] tile (the default's "rows" tile elsewhere)
+        MoeMmvqConfig(up_groups=1, up_split=2, down_block_n=256, down_experts=1, down_rows=False),
+        (T.Q4_K, T.Q5_K, T.Q6_K),
+        3,
+        1,
+    ),
+    (  # the earlier shape: gate's steps then up's, the token's k experts unrolled
+        MoeMmvqConfig(up_groups=1, up_fused=False, down_block_n=512, down_groups=1),
+        (T.Q8_0, T.Q4_K, T.Q8_0),
+        1,
+        3,
+    ),
+    (  # one step for all of H, experts in pairs, plain sums instead of trees
+        MoeMmvqConfig(
+            up_groups=2, down_block_n=512, down_experts=2, up_tree=False, down_tree=False
+        ),
+        (T.Q6_K, T.Q8_0, T.Q5_K),
+        8,
+        1,
+    ),
+]
+
+
+@pytest.mark.parametrize("cfg, qtypes, t, k", MMVQ_VARIANTS)
+def test_fused_moe_mmvq_variants_match_reference(cfg, qtypes, t, k):
+    """Every launch variant against `moe_mmvq_ref`; token 0 alone has the same bits as within
+    the batch (batch invariance)."""
+    gate = stacked(qtypes[0], (3, FF, H2), seed=20)
+    up = stacked(qtypes[1], (3, FF, H2), seed=21)
+    down = stacked(qtypes[2], (3, H2, FF), seed=22)
+    slot = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(t, H2, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+    ids, weights = routing(t, k, [0, 1, 2], seed=t + k)
+    out = fused_moe(x, ids, weights, gate, up, down, slot, method="mmvq", mmvq_cfg=cfg)
+    assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+    if t > 1:
+        one = fused_moe(x[:1], ids[:1], weights[:1], gate, up, down, slot, method="mmvq",
+                        mmvq_cfg=cfg)  # fmt: skip
+        assert torch.equal(one[0], out[0])
+
+
+def test_fused_moe_mmvq_split_leaves_counters_zero_and_takes_quantized_x():
+    """A K-split launch resets its arrival counters (so one buffer serves launch after launch,
+    as CUDA-graph replays need); activations quantized by the caller (`xa`) and experts found
+    by address give the same bits as x quantized inside and the stacks' slots."""
+    gate = stacked(T.Q4_K, (2, FF, H2), seed=30)
+    up = stacked(T.Q4_K, (2, FF, H2), seed=31)
+    down = stacked(T.Q6_K, (2, H2, FF), seed=32)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    ids = torch.tensor([[1, 0]], device=DEVICE)
+    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
+    cfg = MoeMmvqConfig(up_groups=1, up_split=2, down_block_n=512, down_experts=1)
+    counters = mmvq_counters(2, FF, DEVICE)
+    args = (x, ids, weights, gate, up, down, slot)
+    first = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
+    assert not counters.any()
+    again = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters, xa=quantize_q8(x))
+    assert not counters.any()
+    assert torch.equal(first, again)
+    copies = [[w.data[s].clone() for s in (1, 0)] for w in (gate, up, down)]  # expert order
+    addr = torch.tensor(
+        [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
+    )  # [3, E]
+    by_addr = fused_moe(x, ids, weights, gate, up, down, None, method="mmvq", mmvq_cfg=cfg,
+                        expert_addr=addr)  # fmt: skip
+    assert torch.equal(by_addr, first)
+    assert rel_err(first, moe_mmvq_ref(*args)) < 2e-3
+    with pytest.raises(ValueError, match="xa"):
+        fused_moe(*args, method="mmvq", xa=quantize_q8(x[:, :256]))
+    with pytest.raises(ValueError, match="counters"):
+        fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters[:3])
+
+
+def test_moe_mmvq_config_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="up_split"):
+        MoeMmvqConfig(up_split=3)
+    with pytest.raises(ValueError, match="down_warps"):
+        MoeMmvqConfig(down_warps=3)
