@@ -78,3 +78,57 @@ def test_mmvq_rejects_bad_input() -> None:
         mmvq(quantize_q8(activations(1, 512, torch.float32, 0)), w)
     with pytest.raises(ValueError, match="no kernel"):
         mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q2_K, (8, 256), 0))
+
+
+# ---- the "once" variant (activations loaded once per program) ---------------------------------
+
+
+def once(block_n: int = 4, split_k: int = 1, groups: int = 2) -> MmvqConfig:
+    return MmvqConfig(block_n, split_k, groups, 2, "once")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_mmvq_once_random_blocks(qtype: GGMLQuantizationType, m: int) -> None:
+    w = random_blocks(qtype, 5, 768, seed=int(qtype) + 10 * m)  # odd N; 3 groups, 2 a step
+    a = quantize_q8(activations(m, 768, torch.float32, seed=m))
+    out = torch.full((m, 5), float("nan"), device=DEVICE)
+    y = mmvq(a, w, out=out, config=once())
+    ref = mmvq_ref(a, w)
+    assert torch.isfinite(y).all()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-5
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_mmvq_once_split_k_and_batch_invariance(qtype: GGMLQuantizationType) -> None:
+    w = random_blocks(qtype, 3, 1024, seed=int(qtype) + 5)
+    x = activations(4, 1024, torch.float32, seed=6) * 50.0  # large sums: rounding shows
+    cfg = once(block_n=4, split_k=2, groups=1)  # 2 steps of 1 group per split
+    y = mmvq(quantize_q8(x), w, config=cfg)  # [4, 3]
+    ref = mmvq_ref(quantize_q8_ref(x), w)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-5
+    # a row's bits alone and among 4, and rows 2-3 as a pair: the same (batch invariance)
+    assert torch.equal(mmvq(quantize_q8(x[:1]), w, config=cfg)[0], y[0])
+    assert torch.equal(mmvq(quantize_q8(x[2:4]), w, config=cfg), y[2:4])
+
+
+def test_mmvq_once_batch_invariance_over_many_steps() -> None:
+    """4 steps of one group each (the tile variant's default changes its steps with M)."""
+    w = random_blocks(T.Q4_K, 2, 1024, seed=7)
+    x = activations(8, 1024, torch.float32, seed=8) * 50.0
+    cfg = once(block_n=2, groups=1)
+    y = mmvq(quantize_q8(x), w, config=cfg)  # [8, 2]
+    for rows in (slice(0, 1), slice(0, 2), slice(0, 4)):
+        assert torch.equal(mmvq(quantize_q8(x[rows]), w, config=cfg), y[rows])
+
+
+def test_mmvq_once_default_config_does_not_depend_on_m() -> None:
+    from moestream.kernels.mmvq import mmvq_config, once_warps
+
+    cfgs = {mmvq_config(5120, 4096, 132, mb, variant="once") for mb in (1, 2, 4, 8)}
+    assert len(cfgs) == 1
+    cfg = cfgs.pop()
+    assert cfg.variant == "once" and once_warps(cfg, 4) * 16 <= 4 * cfg.groups
+    with pytest.raises(ValueError, match="variant"):
+        mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q4_K, (8, 256), 0),
+             config=MmvqConfig(variant="rows"))  # fmt: skip
