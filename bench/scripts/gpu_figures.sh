@@ -9,12 +9,14 @@
 #                                        cost, prefix reuse, --deterministic cost
 #   bench/scripts/gpu_figures.sh experts 30B-A3B with ~50/25/10% of experts on the device: zero-copy
 #                                        placement, then streaming (50%)
-#   bench/scripts/gpu_figures.sh tune    launch-shape sweeps (MoE decode, dense decode GEMV,
-#                                        decode attention), path switches, host time, b=1 profile
+#   bench/scripts/gpu_figures.sh tune    the changed kernels' GPU tests; launch-shape sweeps (MoE
+#                                        decode, dense decode GEMV, decode attention)
+#   bench/scripts/gpu_figures.sh host    path switches (mmq vs dequantize), host time per step,
+#                                        the batch-1 decode profile
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune}
+part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -88,13 +90,15 @@ case $part in
     done
     ;;
   tune)
-    # launch shapes and path switches: one run picks the defaults (bench/RESULTS.md)
-    timeout 200 python3 -m pytest tests/kernels/test_moe_kernel.py tests/kernels/test_mmvq.py \
+    # launch shapes: one run picks the defaults (bench/RESULTS.md)
+    timeout 130 python3 -m pytest tests/kernels/test_moe_kernel.py tests/kernels/test_mmvq.py \
       tests/kernels/test_paged_attention.py tests/kernels/test_router.py \
       tests/kernels/test_norm_rope.py -q -p no:cacheprovider -x -rf 2>&1 | tail -6
-    timeout 150 python3 bench/kernels_gpu.py --sweep-moe 2>&1 | tee "$out/sweep_moe.log" | tail -40
+    timeout 230 python3 bench/kernels_gpu.py --sweep-moe 2>&1 | tee "$out/sweep_moe.log" | tail -40
     timeout 100 python3 bench/mmvq_sweep.py 2>&1 | tee "$out/sweep_mmvq.log" | tail -40
-    timeout 100 python3 bench/attention_gpu.py 2>&1 | tee "$out/attention.log" | tail -40
+    timeout 100 python3 bench/attention_gpu.py --quick 2>&1 | tee "$out/attention.log" | tail -40
+    ;;
+  host)
     timeout 120 python3 bench/mmq_gpu.py --switch 2>&1 | tee "$out/switch.log" | tail -40
     synth qwen3-30b-a3b q30
     timeout 120 python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches 1,8 \
