@@ -63,13 +63,14 @@ def device_num_sms(device: torch.device) -> int:
 
 @triton.jit
 def attend_tile(
-    q, m_i, l_i, acc, t0, end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+    q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
     stride_kb, stride_kt, stride_vb, stride_vt,
-    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step of rows q [M, D_PAD] over context tokens t0 .. t0 + BLOCK_N - 1
-    (those < end), gathered through the block-table row `bt_row`. Returns the new (running
-    max, sum, accumulator)."""
+    (those < end), gathered through the block-table row `bt_row`; with CAUSAL, row i sees only
+    the keys at positions <= pos[i] (the prefill kernel's use). Returns the new (running max,
+    sum, accumulator)."""
     t = t0 + tl.arange(0, BLOCK_N)
     t_ok = t < end
     block = tl.load(bt_row + t // KV_BLOCK, mask=t_ok, other=0).to(tl.int64)
@@ -84,7 +85,10 @@ def attend_tile(
         s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q.to(k.dtype), tl.trans(k))  # [M, BLOCK_N] float32
-    s = tl.where(t_ok[None, :], s * scale_log2e, float("-inf"))
+    if CAUSAL:
+        s = tl.where(t_ok[None, :] & (t[None, :] <= pos[:, None]), s * scale_log2e, float("-inf"))
+    else:  # every key of the range is visible (pos unused)
+        s = tl.where(t_ok[None, :], s * scale_log2e, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = tl.exp2(m_i - m_safe)
@@ -209,15 +213,15 @@ def _decode_split_kernel(
         t0 = start
         while t0 < end:
             m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, t0, end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32,
+                q, m_i, l_i, acc, t0, end, 0, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, False,
             )  # fmt: skip
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = attend_tile(
-                q, m_i, l_i, acc, t0, end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32,
+                q, m_i, l_i, acc, t0, end, 0, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, False,
             )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # zeros for an empty split
     if MERGE == 0:
