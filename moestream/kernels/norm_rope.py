@@ -1,8 +1,9 @@
-"""Fused per-token kernels of a decoder layer: residual add + RMSNorm, and per-head q/k RMSNorm +
-RoPE + the KV-cache write. Each replaces a chain of ~8-20 small elementwise launches with one;
-the math and its roundings follow the torch references in `layers.norm` and `layers.attention`
-(float32 math, one rounding to the activation dtype where the reference rounds), so results
-differ from them only in the last bits of the float32 reductions.
+"""Fused per-token kernels of a decoder layer: residual add + RMSNorm (optionally with its output
+rounded to q8 blocks for the integer-dot matmuls that read it: `add_rms_norm_q8`), and per-head
+q/k RMSNorm + RoPE + the KV-cache write. Each replaces a chain of ~8-20 small elementwise
+launches with one; the math and its roundings follow the torch references in `layers.norm` and
+`layers.attention` (float32 math, one rounding to the activation dtype where the reference
+rounds), so results differ from them only in the last bits of the float32 reductions.
 
 Letters: T tokens, H hidden, n/g query/KV heads, D head dim, R rotated dims (R/2 = HALF).
 """
@@ -13,11 +14,36 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.mmvq import QBLOCK, Q8Act
+
+
+@triton.jit
+def _quantize_q8_row(y, q_ptr, d_ptr, s_ptr, NB, BLOCK_H: tl.constexpr):
+    """One row y [BLOCK_H] float32 (zero past the row's end) rounded to q8 blocks of 32 into
+    the row pointers q_ptr (int32 words), d_ptr and s_ptr (NB blocks): the operations of
+    `kernels.mmvq._quantize_q8_kernel`, in the same order, so the bits are those of
+    `quantize_q8`."""
+    x = tl.reshape(y, [BLOCK_H // 32, 8, 4])
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BLOCK_H / 32]
+    c127 = tl.full(amax.shape, 127.0, tl.float32)
+    inv = tl.where(amax > 0, tl.math.div_rn(c127, tl.where(amax > 0, amax, 1.0)), 0.0)
+    q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)  # [BLOCK_H / 32, 8, 4]
+    d = tl.math.div_rn(amax, c127)
+    s = d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)
+    i = tl.arange(0, 4)[None, None, :]
+    words = tl.sum((q & 0xFF) << (8 * i), axis=2)  # [BLOCK_H / 32, 8] (disjoint bytes)
+    b = tl.arange(0, BLOCK_H // 32)
+    ok = b < NB
+    tl.store(q_ptr + b[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None])
+    tl.store(d_ptr + b, d, mask=ok)
+    tl.store(s_ptr + b, s, mask=ok)
+
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, H, eps,
-    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr, stride_x, stride_r, stride_o,
+    stride_q, stride_d, H, eps,
+    HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_H)
@@ -32,8 +58,54 @@ def _add_rms_norm_kernel(
         h = x.to(tl.float32)
     var = tl.sum(h * h, axis=0) / H
     w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    y = w * (h * tl.math.rsqrt(var + eps))
-    tl.store(out_ptr + t * stride_o + i, y.to(out_ptr.dtype.element_ty), mask=ok)
+    y = (w * (h * tl.math.rsqrt(var + eps))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + i, y, mask=ok)
+    if Q8:  # the stored values (zero past H), rounded to q8 as `quantize_q8` would
+        _quantize_q8_row(
+            y.to(tl.float32),
+            q_ptr + t * stride_q,
+            d_ptr + t * stride_d,
+            s_ptr + t * stride_d,
+            H // 32,
+            BLOCK_H,
+        )
+
+
+def _check_norm_args(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+) -> tuple[int, int]:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, H] with unit last stride, got {tuple(x.shape)}")
+    t, h = x.shape
+    if weight.shape != (h,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous float32 [{h}], got {weight.dtype}")
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1
+    ):
+        raise ValueError(f"residual must be [{t}, {h}] {x.dtype} with unit last stride")
+    return t, h
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    xa: Q8Act | None,
+) -> None:
+    t, h = x.shape
+    if t == 0:
+        return
+    res = residual if residual is not None else x
+    q, d, s = xa if xa is not None else (out, out, out)  # unused pointers without Q8
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(t,)](
+        x, res, weight, out, q, d, s, x.stride(0), res.stride(0), out.stride(0),
+        q.stride(0), d.stride(0), h, eps,
+        HAS_RES=residual is not None, Q8=xa is not None, BLOCK_H=block,
+        num_warps=min(8, max(1, block // 256)),
+    )  # fmt: skip
 
 
 def add_rms_norm(
@@ -45,25 +117,29 @@ def add_rms_norm(
     `residual` is given it is updated in place to x + residual (rounded to x's dtype), the value
     the norm is taken of.
     """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, H] with unit last stride, got {tuple(x.shape)}")
-    t, h = x.shape
-    if weight.shape != (h,) or weight.dtype != torch.float32 or not weight.is_contiguous():
-        raise ValueError(f"weight must be a contiguous float32 [{h}], got {weight.dtype}")
-    if residual is not None and (
-        residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1
-    ):
-        raise ValueError(f"residual must be [{t}, {h}] {x.dtype} with unit last stride")
+    _check_norm_args(x, residual, weight)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if t == 0:
-        return out
-    res = residual if residual is not None else x
-    block = triton.next_power_of_2(h)
-    _add_rms_norm_kernel[(t,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), h, eps,
-        HAS_RES=residual is not None, BLOCK_H=block, num_warps=min(8, max(1, block // 256)),
-    )  # fmt: skip
+    _launch_norm(x, residual, weight, eps, out, None)
     return out
+
+
+def add_rms_norm_q8(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, Q8Act]:
+    """`add_rms_norm`, and its output rounded to q8 blocks in the same launch: (out [T, H],
+    Q8Act) with the Q8Act bit for bit `kernels.mmvq.quantize_q8(out)` (H a multiple of 32), for
+    the integer-dot matmuls that read `out` next."""
+    t, h = _check_norm_args(x, residual, weight)
+    if h % QBLOCK:
+        raise ValueError(f"q8 blocks need H to be a multiple of {QBLOCK}, got {h}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    xa = Q8Act(
+        torch.empty((t, h // 4), dtype=torch.int32, device=x.device),
+        torch.empty((t, h // QBLOCK), dtype=torch.float32, device=x.device),
+        torch.empty((t, h // QBLOCK), dtype=torch.float32, device=x.device),
+    )
+    _launch_norm(x, residual, weight, eps, out, xa)
+    return out, xa
 
 
 @triton.jit

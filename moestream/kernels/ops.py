@@ -25,12 +25,16 @@ import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from moestream.weights.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from moestream.kernels.mmvq import Q8Act
 
 _Q = GGMLQuantizationType
 KERNEL_QTYPES = frozenset({_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
@@ -125,7 +129,45 @@ def _use_kernels(x: torch.Tensor, *weights: QTensor) -> bool:
     )
 
 
-def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+def _q8_rows(xa: Q8Act | None, lo: int, hi: int) -> Q8Act | None:
+    """Rows lo .. hi - 1 of a Q8Act (views), or None."""
+    if xa is None:
+        return None
+    return type(xa)(xa.q[lo:hi], xa.d[lo:hi], xa.s[lo:hi])
+
+
+def _check_q8(xa: Q8Act, m: int, k: int) -> None:
+    if xa.rows != m or xa.k != k:
+        raise ValueError(f"xa holds [{xa.rows}, {xa.k}] quantized activations, x is [{m}, {k}]")
+
+
+def _matmul_path(x2: torch.Tensor, w: QTensor) -> str:
+    """The kernel `quant_matmul` runs for x2 [M, K] on the kernel path outside batch-invariant
+    mode: "mmvq", "dequant", "mmq", "gemv" or "gemm" (see `quant_matmul`)."""
+    m = x2.shape[0]
+    if m < MMQ_MIN_M and w.qtype in MMVQ_QTYPES:
+        return "mmvq"
+    if m >= DEQUANT_MIN_M or (m >= CACHED_MIN_M and w.values_in(x2.dtype) is not None):
+        return "dequant"  # a bf16 copy (cached by `--weight-cache-gib`, or made now), cuBLAS
+    if w.qtype in MMVQ_QTYPES:  # MMQ_MIN_M .. DEQUANT_MIN_M - 1 rows
+        return "mmq"
+    return "gemv" if m <= GEMV_MAX_M else "gemm"
+
+
+def takes_q8(x: torch.Tensor, w: QTensor) -> bool:
+    """Whether `quant_matmul(x, w)` rounds x to q8 blocks (`kernels.mmvq.quantize_q8`, one
+    launch) before its integer-dot kernel: then a Q8Act of x made earlier (by the norm that
+    produced x) can be passed as `xa` and that launch is saved."""
+    if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
+        return False
+    if w.qtype not in MMVQ_QTYPES:
+        return False
+    if batch_invariant_enabled():
+        return True
+    return _matmul_path(x.reshape(-1, x.shape[-1]), w) in ("mmvq", "mmq")
+
+
+def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
     On the kernel path, weights in MMVQ_QTYPES take the integer-dot decode kernel below
@@ -133,6 +175,10 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     GEMV_MAX_M rows of other types go to the float GEMV; from DEQUANT_MIN_M rows
     to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM; in batch-invariant
     mode `invariant_quant_matmul` (and fixed row chunks for other weights).
+
+    `xa`: x's rows (flattened to [M, K]) already rounded by `kernels.mmvq.quantize_q8` (bit for
+    bit its output); the integer-dot kernels then use it instead of quantizing x (`takes_q8`
+    says when they run); ignored elsewhere.
     """
     invariant = batch_invariant_enabled() and x.is_cuda
     if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
@@ -146,24 +192,28 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if invariant:
-        y = invariant_quant_matmul(x2, w)
-    elif x2.shape[0] < MMQ_MIN_M and w.qtype in MMVQ_QTYPES:
-        from moestream.kernels.mmvq import mmvq, quantize_q8
+    if xa is not None:
+        _check_q8(xa, *x2.shape)
+    path = "invariant" if invariant else _matmul_path(x2, w)
+    if path == "invariant":
+        y = invariant_quant_matmul(x2, w, xa)
+    elif path in ("mmvq", "mmq"):
+        from moestream.kernels.mmvq import quantize_q8
 
-        y = mmvq(quantize_q8(x2), w, out_dtype=x2.dtype)
-    elif x2.shape[0] >= DEQUANT_MIN_M or (
-        x2.shape[0] >= CACHED_MIN_M and w.values_in(x2.dtype) is not None
-    ):  # a bf16 copy (cached by `--weight-cache-gib`, or made now) through cuBLAS
+        a = xa if xa is not None else quantize_q8(x2)
+        if path == "mmvq":
+            from moestream.kernels.mmvq import mmvq
+
+            y = mmvq(a, w, out_dtype=x2.dtype)
+        else:
+            from moestream.kernels.mmq import mmq
+
+            y = mmq(a, w, out_dtype=x2.dtype)
+    elif path == "dequant":
         from moestream.kernels.dequant_mm import dequant_matmul
 
         y = dequant_matmul(x2, w)
-    elif w.qtype in MMVQ_QTYPES:  # MMQ_MIN_M .. DEQUANT_MIN_M - 1 rows
-        from moestream.kernels.mmq import mmq
-        from moestream.kernels.mmvq import quantize_q8
-
-        y = mmq(quantize_q8(x2), w, out_dtype=x2.dtype)
-    elif x2.shape[0] <= GEMV_MAX_M:
+    elif path == "gemv":
         from moestream.kernels.quant_gemv import quant_gemv
 
         y = quant_gemv(x2, w)
@@ -174,14 +224,19 @@ def quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return y.reshape(*lead, w.shape[0])  # [..., N]
 
 
-def invariant_quant_matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+def invariant_quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.Tensor:
     """x [M, K] @ W.T on the kernel path with every row's result independent of M: the
-    integer-dot kernel on chunks of at most MMVQ_MAX_M rows for its types, the float GEMV one
-    row at a time for the others. Runs under the Triton interpreter on CPU tensors too."""
+    integer-dot kernel on chunks of at most MMVQ_MAX_M rows for its types (their q8 rows from
+    `xa` when given: `quant_matmul`), the float GEMV one row at a time for the others. Runs
+    under the Triton interpreter on CPU tensors too."""
     if w.qtype in MMVQ_QTYPES:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
-        return _in_row_chunks(x, MMVQ_MAX_M, lambda c: mmvq(quantize_q8(c), w, out_dtype=x.dtype))
+        parts = []
+        for i in range(0, x.shape[0], MMVQ_MAX_M):
+            a = _q8_rows(xa, i, i + MMVQ_MAX_M) or quantize_q8(x[i : i + MMVQ_MAX_M])
+            parts.append(mmvq(a, w, out_dtype=x.dtype))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
     from moestream.kernels.quant_gemv import quant_gemv
 
     return _in_row_chunks(x, 1, lambda c: quant_gemv(c, w))
@@ -234,6 +289,23 @@ def moe_kernel_path(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) 
     return _use_kernels(x, gate, up, down)
 
 
+def moe_takes_q8(
+    x: torch.Tensor, top_k: int, gate: QTensor, up: QTensor, down: QTensor, num_experts: int
+) -> bool:
+    """Whether `moe_forward` of x [T, H] with k = top_k experts per token (E = num_experts)
+    rounds x to q8 blocks (`kernels.mmvq.quantize_q8`) for the fused kernel's integer-dot path:
+    then a Q8Act of x passed as `xa` saves that launch."""
+    if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
+        return False
+    if x.shape[0] == 0 or not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+        return False
+    if batch_invariant_enabled():
+        return True
+    from moestream.kernels.moe import default_method
+
+    return default_method(x.shape[0] * top_k, gate, up, down, x, num_experts) == "mmvq"
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -242,12 +314,15 @@ def moe_forward(
     up: QTensor,
     down: QTensor,
     expert_slot: torch.Tensor,
+    xa: Q8Act | None = None,
 ) -> torch.Tensor:
     """The routed-expert FFN of one MoE layer; contract of `moe_forward_ref`.
 
     On the kernel path (`kernels.moe.fused_moe`) no host sync happens and every selected
     expert's slot must be valid (not checked on the device). topk_ids [T, k] int32/int64 and
     topk_weights [T, k] float are made contiguous, expert_slot int32, if they are not already.
+    `xa`: x already rounded by `kernels.mmvq.quantize_q8` (bit for bit), used by the fused
+    kernel's integer-dot path instead of quantizing x (`moe_takes_q8`); ignored elsewhere.
     """
     if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
         return moe_forward_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
@@ -256,9 +331,13 @@ def moe_forward(
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
     slot = expert_slot.to(torch.int32).contiguous()
+    if xa is not None:
+        _check_q8(xa, *x.shape)
     if batch_invariant_enabled():
-        return invariant_moe(x, ids, weights, gate, up, down, slot)
-    return fused_moe(x, ids, weights, gate, up, down, slot)
+        return invariant_moe(x, ids, weights, gate, up, down, slot, xa)
+    if xa is None:
+        return fused_moe(x, ids, weights, gate, up, down, slot)
+    return fused_moe(x, ids, weights, gate, up, down, slot, xa=xa)
 
 
 def _moe_in_token_chunks(
@@ -313,18 +392,27 @@ def invariant_moe(
     up: QTensor,
     down: QTensor,
     expert_slot: torch.Tensor,
+    xa: Q8Act | None = None,
 ) -> torch.Tensor:
     """The fused MoE with every token's result independent of the batch: the integer-dot path
-    on chunks of at most INVARIANT_MOE_TOKENS tokens (its rows are independent), other types
-    one token at a time. Arguments as `kernels.moe.fused_moe` (contiguous, int32 slots)."""
+    on chunks of at most INVARIANT_MOE_TOKENS tokens (its rows are independent; their q8 rows
+    from `xa` when given, as `moe_forward`), other types one token at a time. Arguments as
+    `kernels.moe.fused_moe` (contiguous, int32 slots)."""
     from moestream.kernels.moe import fused_moe
 
     mmvq = all(w.qtype in MMVQ_QTYPES for w in (gate, up, down))
-    method = "mmvq" if mmvq else "gemv"
-    return _moe_in_token_chunks(
-        x, topk_ids, topk_weights, INVARIANT_MOE_TOKENS if mmvq else 1,
-        lambda xc, ic, wc: fused_moe(xc, ic, wc, gate, up, down, expert_slot, method=method),
-    )  # fmt: skip
+    if not mmvq:
+        return _moe_in_token_chunks(
+            x, topk_ids, topk_weights, 1,
+            lambda xc, ic, wc: fused_moe(xc, ic, wc, gate, up, down, expert_slot, method="gemv"),
+        )  # fmt: skip
+    rows = INVARIANT_MOE_TOKENS
+    parts = []
+    for i in range(0, x.shape[0], rows):
+        args = (x[i : i + rows], topk_ids[i : i + rows], topk_weights[i : i + rows])
+        q8 = {} if xa is None else {"xa": _q8_rows(xa, i, i + rows)}
+        parts.append(fused_moe(*args, gate, up, down, expert_slot, method="mmvq", **q8))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:

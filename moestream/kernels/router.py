@@ -1,10 +1,22 @@
-"""MoE routing in one launch: softmax over the router logits, top-k, optional renormalisation.
+"""MoE routing in one launch: router logits, softmax, top-k and optional renormalisation.
 
-One program per token holds its E logits, takes the softmax in float32, then picks the k largest
-probabilities by k rounds of argmax (ties go to the lower expert id, as the CPU reference's
-`torch.topk` does), in descending order. Replaces softmax + topk + sum + div (four launches).
+`topk_softmax`: from logits [T, E]. One program per token holds its E logits, takes the softmax
+in float32, then picks the k largest probabilities by k rounds of argmax (ties go to the lower
+expert id, as the CPU reference's `torch.topk` does), in descending order. Replaces softmax +
+topk + sum + div (four launches).
 
-Letters: T tokens, E experts, k experts per token.
+`fused_route`: from the activations x [T, H] and the float router weight [E, H] (F32, F16 or
+BF16), for decode-sized batches. Grid (T, E / BLOCK_E): each program computes BLOCK_E logits of
+one token in float32 (a GEMV slice: the ~1 MB weight of Qwen3-30B-A3B is read by 64 programs at
+once, where one program per token would read it through one SM) and writes them to a scratch
+row; the last program of a token to arrive (a per-token int32 counter, bumped with an acq_rel
+atomic after a CTA barrier) resets the counter to 0 (so the next launch, or CUDA-graph replay,
+starts from 0) and runs the softmax / top-k epilogue above on the token's logits. Replaces the
+cast of x to float32, cuBLAS's dot + reduce and the top-k launch (four launches, ~9 us on an
+H200 per layer at T = 1). Each logit is summed in an order fixed by (E, H) alone: a token's
+routing does not depend on the batch.
+
+Letters: T tokens, H hidden, E experts, k experts per token.
 """
 
 from __future__ import annotations
@@ -13,16 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+# Tokens up to which `layers.moe.route` takes `fused_route` (the counter buffer's length); above,
+# a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
+ROUTER_MAX_T = 64
+ROUTER_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PROGRAMS_PER_TOKEN = 64  # E / BLOCK_E, about: enough programs to read the weight in parallel
+_TILE = 4096  # BLOCK_E x BLOCK_K values per step (32 float32 registers a thread at 4 warps)
+
 
 @triton.jit
-def _topk_softmax_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E, stride_l,
-    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_PAD)
-    ok = e < E
-    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+def _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK: tl.constexpr,
+                      K_PAD: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+    """Softmax of one token's logits x [E_PAD] float32 (-inf where not `ok`, e = arange), its k
+    most probable experts in descending order (ties to the lower id) into row t of weights and
+    ids."""
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(ok, p, 0.0)
     probs = tl.where(ok, p / tl.sum(p, axis=0), -1.0)  # padding never wins
@@ -41,6 +57,59 @@ def _topk_softmax_kernel(
     tl.store(ids_ptr + t * TOPK + kk, top_i.to(ids_ptr.dtype.element_ty), mask=kk < TOPK)
 
 
+@triton.jit
+def _topk_softmax_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E, stride_l,
+    TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_PAD)
+    ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM)
+
+
+@triton.jit
+def _fused_route_kernel(
+    x_ptr, w_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr, E, stride_x, stride_w,
+    H: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < H
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+        wv = tl.load(w_ptr + e[:, None] * stride_w + k[None, :],
+                     mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        acc += wv * xv[None, :]
+    tl.store(logits_ptr + t * E + e, tl.sum(acc, axis=1), mask=e_ok)  # [BLOCK_E]
+    # Every thread's logits stored before the release below (the "last block" pattern).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are out
+        tl.store(count_ptr + t, 0)  # ready for the next launch (and CUDA-graph replays)
+        ee = tl.arange(0, E_PAD)
+        ok = ee < E
+        x = tl.load(logits_ptr + t * E + ee, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        _topk_softmax_row(x, ok, ee, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM)
+
+
+def _check_top_k(top_k: int, e: int) -> None:
+    if not 0 < top_k <= e:
+        raise ValueError(f"top_k must be in 1..{e}, got {top_k}")
+
+
+def _outputs(t: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=device)
+    return weights, ids
+
+
 def topk_softmax(
     logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,10 +119,8 @@ def topk_softmax(
     if logits.dim() != 2 or logits.stride(-1) != 1 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [T, E] with unit last stride, {logits.shape}")
     t, e = logits.shape
-    if not 0 < top_k <= e:
-        raise ValueError(f"top_k must be in 1..{e}, got {top_k}")
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    _check_top_k(top_k, e)
+    weights, ids = _outputs(t, top_k, logits.device)
     if t == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(e)
@@ -61,5 +128,62 @@ def topk_softmax(
         logits, weights, ids, e, logits.stride(0),
         TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
         num_warps=min(4, max(1, e_pad // 128)),
+    )  # fmt: skip
+    return weights, ids
+
+
+def route_counters(device: torch.device | str) -> torch.Tensor:
+    """The per-token arrival counters `fused_route` needs: int32 [ROUTER_MAX_T], zero. Every
+    launch leaves them at zero, so one buffer serves every launch in stream order (a layer
+    keeps one; launches that may run concurrently need one each)."""
+    return torch.zeros(ROUTER_MAX_T, dtype=torch.int32, device=device)
+
+
+def router_tiles(e: int, h: int) -> tuple[int, int]:
+    """(BLOCK_E, BLOCK_K) of `fused_route` for E experts of width H: about
+    _PROGRAMS_PER_TOKEN programs per token, BLOCK_E x BLOCK_K <= _TILE. From (E, H) only."""
+    block_e = max(1, triton.next_power_of_2(e) // _PROGRAMS_PER_TOKEN)
+    block_k = max(16, min(triton.next_power_of_2(h), _TILE // block_e))
+    return block_e, block_k
+
+
+def fused_route(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] float (T <= ROUTER_MAX_T, unit last stride), router weight [E, H] float32,
+    float16 or bfloat16 (contiguous) -> (weights [T, k] float32, ids [T, k] int64): the
+    contract of `layers.moe.topk_softmax_ref` on logits x @ weight.T computed in float32.
+
+    `counters`: int32 [>= T], all zero (`route_counters`), left zero on return; made here when
+    None (one more launch)."""
+    if x.dim() != 2 or x.stride(-1) != 1 or not x.is_floating_point():
+        raise ValueError(f"x must be a float [T, H] with unit last stride, got {tuple(x.shape)}")
+    t, h = x.shape
+    if weight.dim() != 2 or weight.shape[1] != h or not weight.is_contiguous():
+        raise ValueError(f"router weight must be a contiguous [E, {h}], got {tuple(weight.shape)}")
+    if weight.dtype not in ROUTER_WEIGHT_DTYPES:
+        raise ValueError(f"router weight must be F32, F16 or BF16, got {weight.dtype}")
+    if t > ROUTER_MAX_T:
+        raise ValueError(f"fused_route takes at most {ROUTER_MAX_T} tokens, got {t}")
+    e = weight.shape[0]
+    _check_top_k(top_k, e)
+    if counters is None:
+        counters = route_counters(x.device)
+    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < t:
+        raise ValueError(f"counters must be int32 [>= {t}], got {counters.dtype} {counters.shape}")
+    weights, ids = _outputs(t, top_k, x.device)
+    if t == 0:
+        return weights, ids
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)  # scratch
+    block_e, block_k = router_tiles(e, h)
+    e_pad = triton.next_power_of_2(e)
+    _fused_route_kernel[(t, triton.cdiv(e, block_e))](
+        x, weight, logits, counters, weights, ids, e, x.stride(0), weight.stride(0),
+        H=h, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return weights, ids

@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moestream.kernels.ops import quant_matmul
-from moestream.layers.norm import vector_weight
+from moestream.layers.norm import q8_of, vector_weight
 from moestream.weights.qtensor import QTensor
 
 _ALIGN = 16  # floats: rows of K % 16 == 0 start on 64-byte boundaries, as fresh tensors do
@@ -61,14 +61,20 @@ def _row_slices(w: QTensor, rows: int) -> Iterator[QTensor]:
         yield QTensor(w.data[i : i + rows], w.qtype, (min(rows, n - i), k))
 
 
+def device_path(x: torch.Tensor) -> bool:
+    """Whether `linear` hands x to `kernels.ops.quant_matmul`: everywhere but the CPU."""
+    return x.device.type != "cpu"
+
+
 def linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for W [N, K] in GGUF block format; batch-invariant on CPU.
 
     CPU: the weight is dequantized to x's dtype (the reference dequantization, bit for bit as
-    gguf-py) and multiplied row by row (module docstring). Other devices: `quant_matmul`.
+    gguf-py) and multiplied row by row (module docstring). Other devices: `quant_matmul`, with
+    the q8 rounding of x that the norm which produced x attached to it, if any (`norm.q8_of`).
     """
-    if x.device.type != "cpu":
-        return quant_matmul(x, w)
+    if device_path(x):
+        return quant_matmul(x, w, q8_of(x))
     n, k = w.shape
     x2 = x.reshape(-1, k)  # [M, K]
     rows = max(1, SLICE_VALUES // k)

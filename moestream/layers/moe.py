@@ -16,7 +16,7 @@ import torch
 from moestream.kernels import ops
 from moestream.layers.linear import HOST_TABLE_QTYPES, linear
 from moestream.layers.mlp import gated_mlp
-from moestream.layers.norm import on_kernel_path
+from moestream.layers.norm import on_kernel_path, q8_of
 from moestream.weights.qtensor import QTensor
 
 
@@ -59,20 +59,56 @@ class StackedExperts:
 
 
 def route(
-    x: torch.Tensor, router: QTensor, top_k: int, norm_topk_prob: bool
+    x: torch.Tensor,
+    router: QTensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> routing weights [T, k] float32 and expert ids [T, k] int64.
 
     Router logits and softmax in float32; the top-k probabilities are renormalised to sum to 1
     when `norm_topk_prob`. torch.topk breaks ties by the lower index, deterministically. On the
-    kernel path softmax, top-k and renormalisation are one launch (`kernels.router`).
+    kernel path with a float router weight (F32, F16, BF16) up to `kernels.router.ROUTER_MAX_T`
+    tokens (any number in batch-invariant mode, in chunks of that many) logits, softmax, top-k
+    and renormalisation are one launch (`kernels.router.fused_route`; `counters` its arrival
+    counters, made per call when None); otherwise a matmul for the logits, then softmax, top-k
+    and renormalisation in one launch (`kernels.router.topk_softmax`).
     """
+    if on_kernel_path(x) and _float_router(x, router):
+        from moestream.kernels.router import ROUTER_MAX_T, fused_route, route_counters
+
+        t = x.shape[0]
+        if t <= ROUTER_MAX_T or ops.batch_invariant_enabled():
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            if counters is None:
+                counters = route_counters(x.device)
+            parts = [
+                fused_route(x[i : i + ROUTER_MAX_T], router.data, top_k, norm_topk_prob, counters)
+                for i in range(0, max(t, 1), ROUTER_MAX_T)
+            ]
+            if len(parts) == 1:
+                return parts[0]
+            return torch.cat([w for w, _ in parts]), torch.cat([i for _, i in parts])
     logits = linear(x.float(), router)  # [T, E] float32
     if on_kernel_path(logits):
         from moestream.kernels.router import topk_softmax
 
         return topk_softmax(logits, top_k, norm_topk_prob)
     return topk_softmax_ref(logits, top_k, norm_topk_prob)
+
+
+def _float_router(x: torch.Tensor, router: QTensor) -> bool:
+    """A router weight `kernels.router.fused_route` reads: F32, F16 or BF16, contiguous, on x's
+    device."""
+    return (
+        router.is_float
+        and router.data.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and router.data.dim() == 2
+        and router.data.is_contiguous()
+        and router.device == x.device
+        and x.dim() == 2
+    )
 
 
 def topk_softmax_ref(
@@ -124,6 +160,13 @@ class SparseMoE:
         self.experts = experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        # The fused router's arrival counters (`kernels.router.fused_route`), kept so that a
+        # step makes none (no launch to zero them; a CUDA graph replays with them).
+        self.route_counters: torch.Tensor | None = None
+        if router.device.type == "cuda" and ops.HAS_TRITON:
+            from moestream.kernels.router import route_counters
+
+            self.route_counters = route_counters(router.device)
 
     @property
     def resident(self) -> bool:
@@ -144,9 +187,21 @@ class SparseMoE:
             for w in self.experts.stacked()  # type: ignore[attr-defined]
         )
 
+    def takes_q8(self, x: torch.Tensor) -> bool:
+        """Whether the forward on x [T, H] rounds x to q8 blocks (the fused kernel's integer-dot
+        path over the provider's slots): the norm producing x can then do it (`norm.with_q8`)."""
+        if getattr(self.experts, "expert_addr", None) is not None or not fused_moe_path(x):
+            return False
+        if not self.resident:
+            return False
+        gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
+        return ops.moe_takes_q8(x, self.top_k, gate, up, down, self.experts.num_experts)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype."""
-        weights, ids = route(x, self.router, self.top_k, self.norm_topk_prob)  # [T, k]
+        weights, ids = route(
+            x, self.router, self.top_k, self.norm_topk_prob, self.route_counters
+        )  # [T, k]
         return self.forward_routed(x, weights, ids)
 
     def forward_routed(
@@ -162,7 +217,8 @@ class SparseMoE:
         With `expert_slot` [E] int32 (the caller has pinned every expert `ids` names into the
         provider's slots, and the table maps them): one `ops.moe_forward` over the provider's
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
-        resident (the provider's own table; no host sync), else the per-expert path."""
+        resident (the provider's own table; no host sync), else the per-expert path. The fused
+        call takes the q8 rounding of x that its norm attached (`norm.q8_of`), if any."""
         addr = getattr(self.experts, "expert_addr", None)  # zero-copy placement
         if addr is not None:
             self.experts.count(ids)  # type: ignore[attr-defined]
@@ -173,6 +229,9 @@ class SparseMoE:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:
             gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
+            xa = q8_of(x)
+            if xa is not None:  # the norm's q8 rounding of x
+                return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot, xa=xa)
             return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot)
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert

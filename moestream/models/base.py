@@ -6,7 +6,9 @@ what the FFN of a layer is. Per-step inputs (positions, attention metadata, KV c
 arguments, never state, so several models can run in one process.
 
 Each residual add is taken together with the norm that follows it (`RMSNorm.add_norm`: one
-launch on the kernel path); the values are those of the plain order above.
+launch on the kernel path); the values are those of the plain order above. When the matmuls
+after a norm round their input to q8 blocks (decode-sized steps: `kernels.ops.takes_q8`), the
+norm does it in the same launch and its output carries the result (`layers.norm.q8_of`).
 
 Weights stay QTensors in their GGUF block format, moved to the device once at build; every
 matmul goes through `layers.linear.linear` (batch-invariant on the CPU, `kernels.ops` on a
@@ -25,9 +27,11 @@ import torch
 from moestream.cache.kv_cache import PagedKVCache
 from moestream.config import ModelConfig
 from moestream.errors import ModelFormatError
+from moestream.kernels import ops
 from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES, batch_invariant, embedding
 from moestream.layers.attention import Attention, AttentionMetadata
 from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, linear
+from moestream.layers.mlp import GatedMLP
 from moestream.layers.norm import RMSNorm, vector_weight
 from moestream.layers.rope import RotaryEmbedding
 from moestream.weights.qtensor import QTensor
@@ -45,6 +49,20 @@ class DecoderLayer:
     def __init__(self, attn_norm: RMSNorm, attn: Attention, ffn_norm: RMSNorm, ffn: FFN):
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
+    def attn_takes_q8(self, x: torch.Tensor) -> bool:
+        """Whether a Q/K/V projection of attn_norm's output (shaped as x [T, H]) rounds it to q8
+        blocks: attn_norm then does it (`RMSNorm(q8=True)`) and the projections share it."""
+        return any(ops.takes_q8(x, proj.weight) for proj, _ in self.attn.projections)
+
+    def ffn_takes_q8(self, x: torch.Tensor) -> bool:
+        """Whether the FFN rounds ffn_norm's output (shaped as x [T, H]) to q8 blocks: the MoE's
+        fused integer-dot path, or a dense FFN's gate / up matmul."""
+        ffn = self.ffn
+        if isinstance(ffn, GatedMLP):
+            return ops.takes_q8(x, ffn.gate) or ops.takes_q8(x, ffn.up)
+        takes_q8 = getattr(ffn, "takes_q8", None)
+        return bool(takes_q8(x)) if takes_q8 is not None else False
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -55,12 +73,14 @@ class DecoderLayer:
         attn: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        next_q8: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x = attn_norm(residual) [T, H] -> (next_norm(r'), r'); `residual` may be updated in
-        place (the kernel path)."""
+        place (the kernel path). `next_q8`: next_norm's output is to carry its q8 rounding (the
+        next layer's `attn_takes_q8`)."""
         a = self.attn(x, cos, sin, attn, k_cache, v_cache)  # [T, H]
-        h, residual = self.ffn_norm.add_norm(a, residual)  # norm(r + a), r + a
-        return next_norm.add_norm(self.ffn(h), residual)
+        h, residual = self.ffn_norm.add_norm(a, residual, self.ffn_takes_q8(a))  # norm(r + a)
+        return next_norm.add_norm(self.ffn(h), residual, next_q8)
 
 
 class CausalLM:
@@ -154,11 +174,14 @@ class CausalLM:
             cos, sin = self.rope.cos_sin(positions)  # [T, R/2]
             if not self.layers:
                 return self.norm(residual)
-            x = self.layers[0].attn_norm(residual)
+            x = self.layers[0].attn_norm(residual, self.layers[0].attn_takes_q8(residual))
             for i, layer in enumerate(self.layers):
                 last = i + 1 == len(self.layers)
-                next_norm = self.norm if last else self.layers[i + 1].attn_norm
-                x, residual = layer(x, residual, next_norm, cos, sin, attn, kv.k[i], kv.v[i])
+                nxt = None if last else self.layers[i + 1]
+                x, residual = layer(
+                    x, residual, self.norm if nxt is None else nxt.attn_norm, cos, sin, attn,
+                    kv.k[i], kv.v[i], nxt is not None and nxt.attn_takes_q8(residual),
+                )  # fmt: skip
             return x
 
     __call__ = forward
@@ -192,7 +215,6 @@ class CausalLM:
             return 0
         from moestream.kernels.dequant_mm import cache_values
         from moestream.kernels.ops import _use_kernels
-        from moestream.layers.mlp import GatedMLP
         from moestream.layers.moe import StackedExperts
 
         probe = torch.empty((1, 1), dtype=self.dtype, device=self.device)

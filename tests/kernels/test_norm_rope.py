@@ -18,7 +18,8 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from moestream.kernels.norm_rope import add_rms_norm, qk_norm_rope_kv  # noqa: E402
+from moestream.kernels.mmvq import quantize_q8  # noqa: E402
+from moestream.kernels.norm_rope import add_rms_norm, add_rms_norm_q8, qk_norm_rope_kv  # noqa: E402
 
 
 def randn(*shape: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -45,6 +46,34 @@ def test_add_rms_norm(dtype, with_residual):
     torch.testing.assert_close(out, ref, **tol(dtype))
     if with_residual:
         torch.testing.assert_close(res, res_ref, **tol(dtype))  # updated in place to x + res
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("h, with_residual", [(96, True), (256, False)])
+def test_add_rms_norm_q8_is_quantize_q8_of_the_norm(dtype, h, with_residual):
+    """The norm's own q8 rounding equals `quantize_q8` of its output bit for bit (an all-zero
+    block included), and the norm and the residual update are those of `add_rms_norm`."""
+    x, w = randn(3, h, seed=0, dtype=dtype), randn(h, seed=1)
+    x[1, 32:64] = 0
+    res = randn(3, h, seed=2, dtype=dtype) if with_residual else None
+    res_plain = res.clone() if res is not None else None
+    if res is not None:
+        res[1, 32:64] = 0
+        res_plain[1, 32:64] = 0
+    out, xa = add_rms_norm_q8(x, res, w, 1e-6)
+    plain = add_rms_norm(x, res_plain, w, 1e-6)
+    assert torch.equal(out, plain)
+    if with_residual:
+        assert torch.equal(res, res_plain)
+    ref = quantize_q8(plain)
+    for got, want in zip(xa, ref, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert (xa.d[1, 1] == 0).item() and xa.q[1].any()
+
+
+def test_add_rms_norm_q8_needs_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        add_rms_norm_q8(randn(2, 48, seed=0), None, randn(48, seed=1), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
