@@ -93,7 +93,7 @@ case $part in
     # launch shapes: one run picks the defaults (bench/RESULTS.md)
     timeout 130 python3 -m pytest tests/kernels/test_moe_kernel.py tests/kernels/test_mmvq.py \
       tests/kernels/test_paged_attention.py tests/kernels/test_router.py \
-      tests/kernels/test_norm_rope.py -q -p no:cacheprovider -x -rf 2>&1 | tail -6
+      tests/kernels/test_norm_rope.py tests/layers/test_q8_fusion.py -q -p no:cacheprovider -x -rf 2>&1 | tail -6
     timeout 230 python3 bench/kernels_gpu.py --sweep-moe 2>&1 | tee "$out/sweep_moe.log" | tail -40
     timeout 100 python3 bench/mmvq_sweep.py 2>&1 | tee "$out/sweep_mmvq.log" | tail -40
     timeout 100 python3 bench/attention_gpu.py --quick 2>&1 | tee "$out/attention.log" | tail -40
