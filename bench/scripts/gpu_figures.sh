@@ -13,10 +13,11 @@
 #                                        decode, dense decode GEMV, decode attention)
 #   bench/scripts/gpu_figures.sh host    path switches (mmq vs dequantize), host time per step,
 #                                        the batch-1 decode profile
+#   bench/scripts/gpu_figures.sh q8|q30  the models part's 8B run / 30B runs without verify curve
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host}
+part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host|q8|q30}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -107,6 +108,19 @@ case $part in
     timeout 120 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
       --batch 1 --decode-tokens 16 --rows 40 > "$out/profile_b1.txt" 2>&1
     echo "[profile b=1 rc=$?]"; sed -n '/## decode/,$p' "$out/profile_b1.txt" | cut -c1-60,160-240 | head -45
+    ;;
+  q8)
+    synth qwen3-8b q8
+    bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 64 --repeats 3
+    ;;
+  q30)
+    synth qwen3-30b-a3b q30
+    bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,4096,32768 --decode-tokens 64 --repeats 3 --concurrency 1,2,4,8,16,32 \
+      --concurrency-prompt 128
+    bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
+      --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -614,7 +614,10 @@ def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stri
 
 
 VARIANTS = ("tile", "once")
-DEFAULT_VARIANT = "tile"  # the kernel `mmvq_config` picks; "once" pending the H200 sweep
+# The kernel `mmvq_config` picks. H200 (`bench/mmvq_sweep.py`, 2026-11-30): "once" was faster
+# on all 14 decode cases (Qwen3-30B-A3B and Qwen3-8B, M = 1 and 2), e.g. 30B q/k/v 4.9 us
+# against 6.2, 8B gate+up 20.5 against 39.9, the 30B output head 124 against 174.
+DEFAULT_VARIANT = "once"
 
 
 class MmvqConfig(NamedTuple):
@@ -659,6 +662,13 @@ def mmvq_config(
     while 2 * programs * split_k < sms and groups % (split_k * 2) == 0 and groups // split_k >= 8:
         split_k *= 2
     if variant == "once":
+        # From the same sweep: 16 rows per program for an output head (N >= 64k rows: 124 us
+        # against 145 with 4), 8 rows and 16 groups per step for K >= 8192 (8B down: 27.7
+        # against 30.2 us); 4 rows and up to 8 groups elsewhere.
+        if n >= 1 << 16 and split_k == 1:
+            return MmvqConfig(16, 1, 1 << (min(groups, 8).bit_length() - 1), 4, "once")
+        if groups // split_k >= 32:
+            return MmvqConfig(8, split_k, 16, 4, "once")
         g = 1 << (min(groups // split_k, 8).bit_length() - 1)  # a power of two <= 8
         return MmvqConfig(block_n, split_k, g, 2, "once")
     return MmvqConfig(block_n, split_k, groups_per_step(groups // split_k, m_block, block_n), 4)

@@ -301,7 +301,7 @@ def paged_decode_attention(
     counters: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query per sequence -> [B, n, D] in q's dtype.
 
@@ -318,6 +318,12 @@ def paged_decode_attention(
     launch choices: they change the speed and, through the tiling, the last bits.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
+    if num_stages is None:
+        # H200 (bench/attention_gpu.py, 2026-11-30): 5 stages pay where the split count is
+        # raised for small batches (batch 1, 32k: 28.7 us against 31.4 with 3); at the floor of
+        # NUM_SPLITS, 3 were faster (batch 8: 28.1 against 33.6 us at 4k, 152 against 176
+        # at 32k).
+        num_stages = NUM_STAGES if num_splits > NUM_SPLITS else 3
     b, n, d = q.shape
     g, kv_block = k_cache.shape[2], k_cache.shape[1]
     rep = n // g
