@@ -315,6 +315,7 @@ def moe_forward(
     down: QTensor,
     expert_slot: torch.Tensor,
     xa: Q8Act | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed-expert FFN of one MoE layer; contract of `moe_forward_ref`.
 
@@ -323,6 +324,8 @@ def moe_forward(
     topk_weights [T, k] float are made contiguous, expert_slot int32, if they are not already.
     `xa`: x already rounded by `kernels.mmvq.quantize_q8` (bit for bit), used by the fused
     kernel's integer-dot path instead of quantizing x (`moe_takes_q8`); ignored elsewhere.
+    `counters`: the integer-dot path's arrival counters (`kernels.moe.mmvq_counters`, kept by
+    the caller so that a step allocates and zeroes none); made per call when None.
     """
     if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
         return moe_forward_ref(x, topk_ids, topk_weights, gate, up, down, expert_slot)
@@ -335,9 +338,7 @@ def moe_forward(
         _check_q8(xa, *x.shape)
     if batch_invariant_enabled():
         return invariant_moe(x, ids, weights, gate, up, down, slot, xa)
-    if xa is None:
-        return fused_moe(x, ids, weights, gate, up, down, slot)
-    return fused_moe(x, ids, weights, gate, up, down, slot, xa=xa)
+    return fused_moe(x, ids, weights, gate, up, down, slot, xa=xa, counters=counters)
 
 
 def _moe_in_token_chunks(

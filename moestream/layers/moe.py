@@ -167,6 +167,9 @@ class SparseMoE:
             from moestream.kernels.router import route_counters
 
             self.route_counters = route_counters(router.device)
+        # Likewise for the fused experts' gate/up split (`kernels.moe.mmvq_counters`), made
+        # at the first fused call (the eager step before any graph capture).
+        self._moe_counters: torch.Tensor | None = None
 
     @property
     def resident(self) -> bool:
@@ -229,10 +232,18 @@ class SparseMoE:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:
             gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
-            xa = q8_of(x)
-            if xa is not None:  # the norm's q8 rounding of x
-                return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot, xa=xa)
-            return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot)
+            counters = None
+            if x.device.type == "cuda":
+                if self._moe_counters is None:
+                    from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, mmvq_counters
+
+                    self._moe_counters = mmvq_counters(
+                        MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device
+                    )
+                counters = self._moe_counters
+            return ops.moe_forward(
+                x, ids, weights, gate, up, down, expert_slot, xa=q8_of(x), counters=counters
+            )  # q8_of: the norm's q8 rounding of x, if it made one
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         token_of = order // self.top_k  # [T*k] token of each grouped assignment

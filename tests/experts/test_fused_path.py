@@ -133,7 +133,7 @@ def device_path(monkeypatch):
     """Force the device path on the CPU; returns the stand-in's call log (operand pointers)."""
     calls: list[int] = []
 
-    def kernel(x, ids, weights, gate, up, down, slot):
+    def kernel(x, ids, weights, gate, up, down, slot, xa=None, counters=None):
         calls.append(gate.data.data_ptr())
         return rowwise_moe_forward(x, ids, weights, gate, up, down, slot)
 
