@@ -35,22 +35,27 @@ _TILE = 4096  # BLOCK_E x BLOCK_K values per step (32 float32 registers a thread
 
 @triton.jit
 def _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK: tl.constexpr,
-                      K_PAD: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+                      K_PAD: tl.constexpr, RENORM: tl.constexpr, E_PAD: tl.constexpr):  # fmt: skip
     """Softmax of one token's logits x [E_PAD] float32 (-inf where not `ok`, e = arange), its k
     most probable experts in descending order (ties to the lower id) into row t of weights and
     ids."""
     p = tl.exp(x - tl.max(x, axis=0))
     p = tl.where(ok, p, 0.0)
-    probs = tl.where(ok, p / tl.sum(p, axis=0), -1.0)  # padding never wins
+    probs = p / tl.sum(p, axis=0)  # [E_PAD], >= +0
+    # One max per pick: probability bits (non-negative floats order as their bit patterns)
+    # above the reversed id (ties to the lower id), padding -1 below every expert.
+    key = (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - e)
+    key = tl.where(ok, key, -1)
     kk = tl.arange(0, K_PAD)
     top_w = tl.zeros([K_PAD], tl.float32)
     top_i = tl.zeros([K_PAD], tl.int32)
     for j in tl.static_range(TOPK):
-        best = tl.max(probs, axis=0)
-        idx = tl.argmax(probs, axis=0, tie_break_left=True)
-        top_w = tl.where(kk == j, best, top_w)
+        best = tl.max(key, axis=0)
+        idx = (E_PAD - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+        w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        top_w = tl.where(kk == j, w, top_w)
         top_i = tl.where(kk == j, idx, top_i)
-        probs = tl.where(e == idx, -2.0, probs)
+        key = tl.where(key == best, -2, key)
     if RENORM:
         top_w = top_w / tl.sum(tl.where(kk < TOPK, top_w, 0.0), axis=0)
     tl.store(weights_ptr + t * TOPK + kk, top_w, mask=kk < TOPK)
@@ -66,7 +71,7 @@ def _topk_softmax_kernel(
     e = tl.arange(0, E_PAD)
     ok = e < E
     x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
-    _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM)
+    _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM, E_PAD)
 
 
 @triton.jit
@@ -96,7 +101,7 @@ def _fused_route_kernel(
         ee = tl.arange(0, E_PAD)
         ok = ee < E
         x = tl.load(logits_ptr + t * E + ee, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        _topk_softmax_row(x, ok, ee, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM)
+        _topk_softmax_row(x, ok, ee, weights_ptr, ids_ptr, t, TOPK, K_PAD, RENORM, E_PAD)
 
 
 def _check_top_k(top_k: int, e: int) -> None:
