@@ -21,6 +21,11 @@ from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, fuse_linears
 from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
 from moestream.layers.rope import RotaryEmbedding, apply_rope
 
+# Contexts up to which the decode kernel keeps its least split count whatever the batch. H200,
+# 30B-A3B heads (bench/attention_gpu.py, 2026-11-30), batch 1: 16 splits 7.7 us at 512 tokens
+# against 8.4 with the batch rule's 66, but 13.9 against 11.2 at 4k and 65.7 against 28.7 at 32k.
+SHORT_DECODE_CONTEXT = 2048
+
 
 @dataclass
 class AttentionMetadata:
@@ -36,6 +41,9 @@ class AttentionMetadata:
     max_query_len: a host bound on any sequence's new tokens (sizes the prefill kernel's grid);
     None: take it from query_lens_cpu.
 
+    max_seq_len: a host bound on every seq_lens entry, or None (the decode kernel then assumes
+    contexts may be long: `SHORT_DECODE_CONTEXT`).
+
     A slot_mapping entry < 0 (padding rows of a CUDA graph bucket) writes no K/V; only the CUDA
     kernel paths accept such rows.
     """
@@ -49,6 +57,7 @@ class AttentionMetadata:
     block_size: int
     is_decode: bool = False
     max_query_len: int | None = None
+    max_seq_len: int | None = None  # a host bound on seq_lens; None: unknown
 
     @property
     def num_seqs(self) -> int:
@@ -73,9 +82,11 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         query_start_loc: torch.Tensor,
         block_size: int,
+        max_seq_len: int | None = None,
     ) -> AttentionMetadata:
         """Decode metadata over device tensors only (static buffers of a CUDA graph): one new
-        token per sequence, no host copies, so only the CUDA decode path can read it."""
+        token per sequence, no host copies, so only the CUDA decode path can read it;
+        `max_seq_len` a bound every step run with it keeps (None: none)."""
         return cls(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
@@ -86,6 +97,7 @@ class AttentionMetadata:
             block_size=block_size,
             is_decode=True,
             max_query_len=1,
+            max_seq_len=max_seq_len,
         )
 
     @classmethod
@@ -155,6 +167,7 @@ class AttentionMetadata:
             block_size=block_size,
             is_decode=all(n == 1 for n in query_lens),
             max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
         )
 
 
@@ -407,7 +420,9 @@ class Attention:
         if kernels and attn.is_decode and not batch_invariant_enabled():
             from moestream.kernels import paged_attention as pa
 
-            splits = pa.decode_num_splits(t, k_cache.shape[2], pa.device_num_sms(q.device))
+            splits = pa.NUM_SPLITS  # short contexts: more splits only cost launch width
+            if attn.max_seq_len is None or attn.max_seq_len > SHORT_DECODE_CONTEXT:
+                splits = pa.decode_num_splits(t, k_cache.shape[2], pa.device_num_sms(q.device))
             o = pa.paged_decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
                 num_splits=splits,

@@ -6,7 +6,9 @@ last sampled token and d_i >= 0 drafted tokens, and is sampled, runs as a graph 
 
 - Decode (no drafts): B <= max(buckets) sequences run as the graph of the smallest bucket >= B,
   one row per sequence. Rows B .. bucket-1 are padding (slot -1: no KV write; seq_len 0:
-  attention reads nothing). Attention is the split-context decode kernel.
+  attention reads nothing). Attention is the split-context decode kernel, whose split count is
+  fixed at capture: each bucket has two graphs, one for steps whose contexts all fit
+  `SHORT_DECODE_CONTEXT` (the least split count) and one for longer contexts (more splits).
 - Verify (some drafts): K = the smallest of `verify_tokens` >= max d_i + 1, B <= the largest
   of `verify_buckets`. Each sequence owns K rows, its d_i + 1 real tokens first, then pad rows
   (slot -1, the last real token and position repeated); padding sequences own K pad rows and
@@ -53,7 +55,7 @@ from typing import Protocol
 import torch
 
 from moestream.cache.kv_cache import PagedKVCache
-from moestream.layers.attention import AttentionMetadata
+from moestream.layers.attention import SHORT_DECODE_CONTEXT, AttentionMetadata
 from moestream.models.base import CausalLM
 
 BUCKETS = (1, 2, 4, 8, 16, 32)  # decode batch sizes
@@ -152,8 +154,11 @@ class DecodeGraphs:
         self.device = torch.device(device)
         self.backend = backend if backend is not None else CudaGraphBackend(self.device)
         self._alloc_inputs()
-        # (bucket, tokens per sequence) -> (replay, static logits [bucket * tokens, V])
-        self._graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        # (bucket, tokens per sequence, short) -> (replay, static logits [bucket * tokens, V]);
+        # short: a decode graph for contexts up to SHORT_DECODE_CONTEXT (the attention kernel's
+        # split count is chosen by context class at capture; verify graphs are never short).
+        self._graphs: dict[tuple[int, int, bool], tuple[Callable[[], None], torch.Tensor]] = {}
+        self._last_short: dict[tuple[int, int], bool] = {}  # the class each graph last ran
         # Host block-table rows as last written: (the request's block list, entries written).
         self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * self.max_seqs
 
@@ -223,12 +228,17 @@ class DecodeGraphs:
     @property
     def captured(self) -> tuple[int, ...]:
         """Decode buckets captured so far, in increasing order."""
-        return tuple(sorted(b for b, k in self._graphs if k == 1))
+        return tuple(sorted({b for b, k, _ in self._graphs if k == 1}))
+
+    @property
+    def captured_decode(self) -> tuple[tuple[int, bool], ...]:
+        """(bucket, short context) of the decode graphs captured so far, sorted."""
+        return tuple(sorted((b, short) for b, k, short in self._graphs if k == 1))
 
     @property
     def captured_verify(self) -> tuple[tuple[int, int], ...]:
         """(bucket, tokens per sequence) of the verify graphs captured so far, sorted."""
-        return tuple(sorted(key for key in self._graphs if key[1] > 1))
+        return tuple(sorted((b, k) for b, k, _ in self._graphs if k > 1))
 
     def bucket_for(self, num_seqs: int) -> int:
         """The smallest decode bucket that holds `num_seqs` sequences (ValueError past the
@@ -252,7 +262,7 @@ class DecodeGraphs:
         one new token per sequence, every sequence sampled, at most `max_batch` of them."""
         return attn.is_decode and num_sampled == attn.num_seqs and attn.num_seqs <= self.max_batch
 
-    def _static_attn(self, bucket: int, k: int) -> AttentionMetadata:
+    def _static_attn(self, bucket: int, k: int, short: bool = False) -> AttentionMetadata:
         args = dict(
             seq_lens=self.seq_lens[:bucket],
             block_tables=self.block_tables[:bucket],
@@ -261,17 +271,20 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
         if k == 1:
-            return AttentionMetadata.for_decode(**args)
+            bound = SHORT_DECODE_CONTEXT if short else None
+            return AttentionMetadata.for_decode(**args, max_seq_len=bound)
         return AttentionMetadata.for_verify(**args, tokens_per_seq=k)
 
-    def _capture(self, bucket: int, k: int = 1) -> tuple[Callable[[], None], torch.Tensor]:
+    def _capture(
+        self, bucket: int, k: int = 1, short: bool = False
+    ) -> tuple[Callable[[], None], torch.Tensor]:
         rows = bucket * k
         self.slot_mapping[:rows].fill_(-1)  # warm-up and capture run on padding rows only
         self.seq_lens[:bucket].fill_(0)
-        attn = self._static_attn(bucket, k)
+        attn = self._static_attn(bucket, k, short)
         ids, pos = self.input_ids[:rows], self.positions[:rows]
         graph = self.backend.capture(lambda: self.forward(ids, pos, attn))
-        self._graphs[bucket, k] = graph
+        self._graphs[bucket, k, short] = graph
         return graph
 
     # ---- steps from host data ------------------------------------------------------------
@@ -306,10 +319,10 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
 
-    def _prepare(self, bucket: int, k: int) -> None:
+    def _prepare(self, bucket: int, k: int, short: bool = False) -> None:
         """Capture the graph if new; wait until the host mirror may be rewritten."""
-        if (bucket, k) not in self._graphs:
-            self._capture(bucket, k)
+        if (bucket, k, short) not in self._graphs:
+            self._capture(bucket, k, short)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the host mirror
 
@@ -331,7 +344,8 @@ class DecodeGraphs:
         n = len(positions)
         on_device = isinstance(token_ids, torch.Tensor)
         bucket = self.bucket_for(n)
-        self._prepare(bucket, 1)
+        short = max(positions) < SHORT_DECODE_CONTEXT  # every context <= the bound
+        self._prepare(bucket, 1, short)
         bs = self.block_size
         slots = [b[p // bs] * bs + p % bs for p, b in zip(positions, block_ids, strict=True)]
         first, last = self._stage_tables(block_ids)
@@ -345,7 +359,7 @@ class DecodeGraphs:
         self._send(first, last)
         if on_device:
             self.input_ids[:n].copy_(token_ids, non_blocking=True)  # after the host copy
-        return self.replay(bucket)[:n]
+        return self.replay(bucket, 1, short)[:n]
 
     @torch.inference_mode()
     def run_verify(
@@ -365,7 +379,7 @@ class DecodeGraphs:
         if key is None or key[1] == 1:
             raise ValueError(f"no verify graph for {n} sequences with drafts {draft_token_ids}")
         bucket, k = key
-        self._prepare(bucket, k)
+        self._prepare(bucket, k, False)
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -396,7 +410,7 @@ class DecodeGraphs:
         self._host_seq_lens[:n] = seq_lens
         self._host_seq_lens[n:bucket] = 0  # padding sequences: no attention
         self._send(first, last)
-        logits = self.replay(bucket, k)  # [bucket * k, V]
+        logits = self.replay(bucket, k, False)  # [bucket * k, V]
         return logits.index_select(0, self.sample_rows[: len(rows)])  # [R, V]
 
     # ---- steps from tensors --------------------------------------------------------------
@@ -415,7 +429,7 @@ class DecodeGraphs:
         a static buffer, valid until the next run."""
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
-        if (bucket, 1) not in self._graphs:
+        if (bucket, 1, False) not in self._graphs:
             self._capture(bucket)
         self._rows = [(None, 0)] * self.max_seqs  # the device tables no longer mirror the host
         width = min(block_tables.shape[1], self.max_blocks)
@@ -427,14 +441,17 @@ class DecodeGraphs:
         if n < bucket:  # padding rows: no KV write, no attention (stale ids/positions are valid)
             self.slot_mapping[n:bucket].fill_(-1)
             self.seq_lens[n:bucket].fill_(0)
-        return self.replay(bucket)[:n]
+        return self.replay(bucket, 1, False)[:n]
 
-    def replay(self, bucket: int, tokens: int = 1) -> torch.Tensor:
-        """Replay the graph of (bucket, tokens per sequence) on whatever its static buffers
-        hold, returning all bucket * tokens rows of logits. The runs call it after copying
-        their inputs in; on its own (the last step's inputs: it rewrites the same K/V) it times
-        the graph alone."""
-        replay, logits = self._graphs[bucket, tokens]
+    def replay(self, bucket: int, tokens: int = 1, short: bool | None = None) -> torch.Tensor:
+        """Replay the graph of (bucket, tokens per sequence, context class) on whatever its
+        static buffers hold, returning all bucket * tokens rows of logits. The runs call it
+        after copying their inputs in; on its own (the last step's inputs: it rewrites the same
+        K/V) it times the graph alone, of the class that last ran when `short` is None."""
+        if short is None:
+            short = self._last_short.get((bucket, tokens), False)
+        self._last_short[bucket, tokens] = short
+        replay, logits = self._graphs[bucket, tokens, short]
         replay()
         return logits
 

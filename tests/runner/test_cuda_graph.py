@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():  # the kernel-path test below runs Triton's interpreter
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 
-from moestream.layers.attention import AttentionMetadata
+from moestream.layers.attention import SHORT_DECODE_CONTEXT, AttentionMetadata
 from moestream.runner.cuda_graph import BUCKETS, DecodeGraphs, RecomputeBackend, decode_graphs_for
 
 V, BS, MAX_BLOCKS = 11, 4, 6
@@ -139,7 +139,34 @@ def test_run_decode_from_host_lists_matches_eager():
         for r in order:
             blocks, p = live[r]
             live[r] = (blocks, p + 1)
-    assert backend.captures == len(graphs.captured) >= 4
+    # Each (bucket, context class) captured once: `run` takes the long-context graph.
+    assert backend.captures == len(graphs.captured_decode) >= 4
+
+
+def test_decode_graphs_per_context_class():
+    """A decode step whose contexts all fit SHORT_DECODE_CONTEXT replays the bucket's short
+    graph (its metadata bounds seq_lens, so attention keeps the least split count); a longer
+    one the other graph. Both are captured once and give the eager logits."""
+    bound = SHORT_DECODE_CONTEXT
+    bs, max_blocks = 256, -(-(bound + 64) // 256)
+    seen: list[int | None] = []
+
+    class Recording(FakeModel):
+        def forward(self, ids, pos, attn):
+            seen.append(attn.max_seq_len)
+            return super().forward(ids, pos, attn)
+
+    model, backend = Recording(), RecomputeBackend()
+    model.kv = torch.zeros(bs * max_blocks)
+    graphs = DecodeGraphs(model.forward, bs, max_blocks, "cpu", backend=backend)
+    tables = [list(range(max_blocks))]
+    with torch.inference_mode():
+        for p in (5, bound - 1, bound, 7):  # short, short (the last that fits), long, short
+            graphs.run_decode([3], [p], tables)
+    assert graphs.captured_decode == ((1, False), (1, True))
+    assert backend.captures == 2
+    # capture then replay per step: short, replay, long capture + replay, replay
+    assert seen == [bound, bound, bound, None, None, bound]
 
 
 def test_static_inputs_are_aligned_views_of_one_buffer():
