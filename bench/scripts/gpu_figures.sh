@@ -14,10 +14,12 @@
 #   bench/scripts/gpu_figures.sh host    path switches (mmq vs dequantize), host time per step,
 #                                        the batch-1 decode profile
 #   bench/scripts/gpu_figures.sh q8|q30  the models part's 8B run / 30B runs without verify curve
+#   bench/scripts/gpu_figures.sh final   tiny-pair speculation (also --deterministic); 30B with
+#                                        bf16 weight copies
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host|q8|q30}
+part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -121,6 +123,18 @@ case $part in
       --concurrency-prompt 128
     bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
       --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
+    ;;
+  final)
+    # the tiny pair's speculation on the GPU (plain, under --deterministic), then the 30B with
+    # bf16 weight copies (--weight-cache-gib): prefill, batched decode, prefix reuse
+    timeout 100 python3 bench/spec_figures.py --device cuda --rounds 1 --prompts 2 --tokens 128 \
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -16
+    timeout 100 python3 bench/spec_figures.py --device cuda --deterministic --rounds 1 \
+      --prompts 2 --tokens 128 2> /dev/null | tail -12; echo "[spec deterministic rc=$?]"
+    synth qwen3-30b-a3b q30
+    bench q30wc 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
+      --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
+      --concurrency 1,16,32 --concurrency-prompt 128 --prefix-reuse 32768:31744
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
