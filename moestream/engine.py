@@ -105,7 +105,7 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
         self._speculator = speculator
-        self.runner.run_ahead = speculator is None  # see the speculator setter
+        self.runner.run_ahead = True  # see `step`: off while drafts are being proposed
         self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
@@ -214,8 +214,7 @@ class Engine:
         if self._speculator is not None and self._speculator is not speculator:
             self._speculator.release_all()  # its requests' end would reach the next one only
         self._speculator = speculator
-        # A queued step would sit ahead of the draft model's forwards and the verification.
-        self.runner.run_ahead = speculator is None
+        self.runner.run_ahead = True
 
     def build_speculator(
         self, spec: SpecConfig | None, draft_num_blocks: int | None = None
@@ -309,6 +308,11 @@ class Engine:
             self._propose_drafts(spec)
             host = time.perf_counter() - t0 - spec.draft_forward_seconds
             self._draft_host_seconds = max(0.0, host)
+            # Run-ahead (the runner queues the next plain step before this one's tokens are
+            # read) only while the picker proposes nothing: a queued step is dropped when the
+            # plan then carries drafts, and it would sit ahead of the draft model's forwards.
+            # So it follows the last proposal: a switch to drafting costs one dropped step.
+            self.runner.run_ahead = not any(r.draft_token_ids for r in self.scheduler.running)
         return outputs
 
     def _commit(self, plan: StepPlan, result: RunnerOutput) -> list[EngineOutput]:
