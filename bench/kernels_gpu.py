@@ -183,7 +183,8 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
     slot e + 128 c), so consecutive calls read different, cold experts."""
-    from moestream.kernels.moe import default_method, fused_moe, moe_mmvq_ref
+    from moestream.kernels.moe import default_method, fused_moe
+    from moestream.kernels.moe_mmvq import moe_mmvq_ref
 
     qg, qd = qtypes
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)  # gate, up, down
@@ -350,7 +351,7 @@ def sweep_moe(gen, copy_gbs: float) -> None:
     "before"."""
     from dataclasses import replace
 
-    from moestream.kernels.moe import MoeMmvqConfig
+    from moestream.kernels.moe_mmvq import MoeMmvqConfig
 
     mix = (T.Q4_K, T.Q6_K)
     default = MoeMmvqConfig()

@@ -81,8 +81,8 @@ def dense_case(m: int, n: int, k: int, gen: torch.Generator, reps: int) -> bool:
 
 def moe_case(t: int, gen: torch.Generator, reps: int) -> bool:
     from moestream.kernels.moe import fused_moe
-    from moestream.kernels.moe import moe_mmvq_ref as moe_mmq_ref  # the same numerics
     from moestream.kernels.moe_mmq import moe_mmq
+    from moestream.kernels.moe_mmvq import moe_mmvq_ref as moe_mmq_ref  # the same numerics
 
     qg, qd = T.Q4_K, T.Q6_K
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)

@@ -20,8 +20,8 @@ Shapes of one type and K share compiled kernels; a second run reuses Triton's ca
 one line per configuration, then the best per shape and M, and which default was faster on
 how many cases. Exits 1 when a check fails.
 
---asm compiles `_mmvq_kernel` and `_mmvq_once_kernel` for sm_90 with Triton's bundled tools
-(no GPU) and prints per type, M_BLOCK and launch shape: registers per thread, stack bytes
+--asm compiles `_mmvq_kernel` and `mmvq_once._mmvq_once_kernel` for sm_90 with Triton's bundled
+tools (no GPU) and prints per type, M_BLOCK and launch shape: registers per thread, stack bytes
 (spills), convert_layout ops in the TTGIR, and BAR.SYNC / LDG / SHFL counts in the SASS.
 """
 
@@ -189,6 +189,7 @@ def build_sm90(kernel, qtype: int, m_block: int, block_n: int, g: int, groups: i
 
 def run_asm() -> int:
     from moestream.kernels import mmvq as mv
+    from moestream.kernels import mmvq_once
 
     print("kernel type M_BLOCK BN  G groups warps | regs stack convert_layout BAR  LDG SHFL")
     for qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0):
@@ -196,7 +197,7 @@ def run_asm() -> int:
         for m_block in (1, 2, 8):
             for block_n, g, groups in ((4, 8, 8), (4, 8, 16), (8, 8, 16)):
                 cfg = mv.MmvqConfig(block_n, 1, g, 4, "once")
-                runs = [("once", mv._mmvq_once_kernel, mv.once_warps(cfg, sub))]
+                runs = [("once", mmvq_once._mmvq_once_kernel, mmvq_once.once_warps(cfg, sub))]
                 if block_n == 4 and groups == 8 and m_block < 8:
                     runs.append(("tile", mv._mmvq_kernel, 4))
                 for label, kernel, warps in runs:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels._triton_dequant import num_sms, reduce_split_k, split_k_target
-from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, _i2f, q8_matmul_out, use_asm
+from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, i2f, q8_matmul_out, use_asm
 from moestream.weights.qtensor import QTensor
 
 MMQ_QTYPES = MMVQ_QTYPES  # Q4_K, Q5_K, Q6_K, Q8_0
@@ -132,7 +132,7 @@ def _load32(p):
 @triton.jit
 def _k_scale_min(h1, h2, h3, S: tl.constexpr):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-block S from the scale bytes as words h1, h2, h3
-    (bytes 0-3, 4-7, 8-11; layout of `mmvq._k_scale_min_words`), float32."""
+    (bytes 0-3, 4-7, 8-11; layout of `mmvq.k_scale_min_words`), float32."""
     if S < 4:
         sc = (h1 >> (8 * S)) & 63
         mn = (h2 >> (8 * S)) & 63
@@ -142,7 +142,7 @@ def _k_scale_min(h1, h2, h3, S: tl.constexpr):
         pk = h3 >> (8 * (S - 4))
         sc = (pk & 15) | ((a >> 2) & 48)
         mn = ((pk >> 4) & 15) | ((b >> 2) & 48)
-    return _i2f(sc), _i2f(mn)
+    return i2f(sc), i2f(mn)
 
 
 @triton.jit
@@ -177,8 +177,8 @@ def _group_q4_k(acc, blk, xk, xd, xs, j, Q5: tl.constexpr, ASM: tl.constexpr):
         xd1 = tl.load(xd + 2 * c + 1)[None, :]
         xs0 = tl.load(xs + 2 * c)[None, :]
         xs1 = tl.load(xs + 2 * c + 1)[None, :]
-        acc = tl.fma((d * sc0)[:, None] * xd0, _i2f(p0), acc)
-        acc = tl.fma((d * sc1)[:, None] * xd1, _i2f(p1), acc)
+        acc = tl.fma((d * sc0)[:, None] * xd0, i2f(p0), acc)
+        acc = tl.fma((d * sc1)[:, None] * xd1, i2f(p1), acc)
         acc = tl.fma(-(dmin * mn0)[:, None], xs0, acc)
         acc = tl.fma(-(dmin * mn1)[:, None], xs1, acc)
     return acc
@@ -221,7 +221,7 @@ def _group_q8_0(acc, blk, xk, xd, j):
         q = _load32(blk[:, None] + 34 * b + 2).to(tl.int8, bitcast=True)  # [BN, 32]
         p = tl.dot(q, tl.load(xk + 32 * b + j[:, None]), out_dtype=tl.int32)  # [BN, BM]
         dw = _f16(blk + 34 * b)  # [BN]
-        acc = tl.fma(dw[:, None] * tl.load(xd + b)[None, :], _i2f(p), acc)
+        acc = tl.fma(dw[:, None] * tl.load(xd + b)[None, :], i2f(p), acc)
     return acc
 
 

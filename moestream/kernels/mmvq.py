@@ -22,11 +22,15 @@ Weights are read in their GGUF block format (DESIGN invariant 1). Types whose bl
 aligned (Q4_K 144 bytes, Q5_K 176) are read a 32-bit word at a time; Q6_K (210) and Q8_0 (34)
 blocks are only 2-byte aligned and are read as 16-bit halves joined into words.
 
-Two kernels (`MmvqConfig.variant`): "tile" (`_mmvq_kernel`, over `mmvq_rows`/`acc_runs`, which
-the fused MoE shares) loads every operand in one [M, rows, runs, 8 words] tile, so activations
-and scales are re-read for every row; "once" (`_mmvq_once_kernel`) loads a program's
-activations once and walks its rows in a static loop, sums each 4 words' dp4a results as
-integers and scales once per 16 values. Both are batch invariant (fixed-order `tree_sum`).
+Two kernels (`MmvqConfig.variant`): "tile" (`_mmvq_kernel` here, over `mmvq_rows`/`acc_runs`,
+which the fused MoE shares) loads every operand in one [M, rows, runs, 8 words] tile, so
+activations and scales are re-read for every row; "once" (`mmvq_once`, the default) loads a
+program's activations once and walks its rows in a static loop, sums each 4 words' dp4a
+results as integers and scales once per 16 values. Both are batch invariant (fixed-order
+`tree_sum`). This file holds the activation quantization (`quantize_q8`, `store_q8_blocks`),
+the low-level jitted helpers the other integer-dot kernels import (`dp4a`, `i2f`, `word16`,
+`f16_at`, `k_scale_min_words`, `acc_runs`, `tree_sum`, `mmvq_rows`), the "tile" kernel, the
+launch configuration and `mmvq` itself.
 
 Under the Triton interpreter (CPU tests) `dp4a` is emulated with shifts and multiplies (ASM
 False); on CUDA it is one PTX instruction.
@@ -134,14 +138,14 @@ def dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _i2f(i):
+def i2f(i):
     """float32(i) for int32 |i| < 2^22 in two full-rate ops (an int-to-float conversion runs at
     a fraction of the rate): the bits of 1.5 * 2^23 + i, minus 1.5 * 2^23."""
     return (i + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
-def _word16(h, ok):
+def word16(h, ok):
     """The int32 at int16 pointer(s) `h` (2-byte aligned), from two 16-bit loads (0 where not
     `ok`)."""
     lo = tl.load(h, mask=ok, other=0).to(tl.int32) & 0xFFFF
@@ -149,26 +153,13 @@ def _word16(h, ok):
 
 
 @triton.jit
-def _f16(p, ok):
+def f16_at(p, ok):
+    """The float16 at byte pointer(s) `p` (2-byte aligned) as float32 (0 where not `ok`)."""
     return tl.load(p.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _k_scale_min(sp, s, ok):
-    """Q4_K/Q5_K 6-bit (scale, min) of sub-block `s` (0..7) from the 12 scale bytes at `sp`
-    (0 where not `ok`); the layout of `_triton_dequant._k_scale_min`."""
-    low = s < 4
-    i = tl.where(low, s, s - 4)
-    a = tl.load(sp + i, mask=ok, other=0).to(tl.int32)
-    b = tl.load(sp + 4 + i, mask=ok, other=0).to(tl.int32)
-    pk = tl.load(sp + 8 + i, mask=ok, other=0).to(tl.int32)
-    sc = tl.where(low, a & 63, (pk & 15) | ((a >> 2) & 48))
-    mn = tl.where(low, b & 63, (pk >> 4) | ((b >> 2) & 48))
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
-def _k_scale_min_words(w1, w2, w3, s):
+def k_scale_min_words(w1, w2, w3, s):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-block `s` (0..7) from the 12 scale bytes as three
     little-endian words: bytes 0-3 scales 0-3, 4-7 mins 0-3; byte 8+i low nibble scale 4+i,
     high nibble min 4+i, whose top two bits are bits 6-7 of bytes i and 4+i."""
@@ -179,7 +170,7 @@ def _k_scale_min_words(w1, w2, w3, s):
     pk = (w3 >> sh) & 0xFF
     sc = tl.where(low, a & 63, (pk & 15) | ((a >> 2) & 48))
     mn = tl.where(low, b & 63, (pk >> 4) | ((b >> 2) & 48))
-    return _i2f(sc), _i2f(mn)
+    return i2f(sc), i2f(mn)
 
 
 @triton.jit
@@ -206,8 +197,8 @@ def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.co
         lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
         hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
     xw = xq + sb * 64 + 16 * c + w  # [MB, BN, R, 8]
-    f0 = _i2f(dp4a(lo, tl.load(xw, mask=okf, other=0), z, ASM))
-    f1 = _i2f(dp4a(hi, tl.load(xw + 8, mask=okf, other=0), z, ASM))
+    f0 = i2f(dp4a(lo, tl.load(xw, mask=okf, other=0), z, ASM))
+    f1 = i2f(dp4a(hi, tl.load(xw + 8, mask=okf, other=0), z, ASM))
     # Scales, from loads contiguous along w (so they share qs's layout): words 0..3 of the
     # block (d|dmin, 12 scale bytes) and the run's two activation blocks, each picked out by
     # a where-sum over w (exact, and it keeps the parent layout).
@@ -217,8 +208,8 @@ def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.co
     h2 = tl.sum(tl.where(w == 2, hdr, 0), axis=3)[:, :, :, None]  # 4-7
     h3 = tl.sum(tl.where(w == 3, hdr, 0), axis=3)[:, :, :, None]  # 8-11
     cc = tl.sum(tl.where(w == 0, c, 0), axis=3)[:, :, :, None]  # the run, 0..3
-    sc0, mn0 = _k_scale_min_words(h1, h2, h3, 2 * cc)
-    sc1, mn1 = _k_scale_min_words(h1, h2, h3, 2 * cc + 1)
+    sc0, mn0 = k_scale_min_words(h1, h2, h3, 2 * cc)
+    sc1, mn1 = k_scale_min_words(h1, h2, h3, 2 * cc + 1)
     d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * wt
     dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * wt
     b0 = sb * 8 + 2 * c + w  # activation blocks 2c, 2c + 1 at w = 0, 1
@@ -255,8 +246,8 @@ def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
     t = c % 2
     base = rows + sb * 210 + z  # [MB, BN, R, 8]
     h = base.to(tl.pointer_type(tl.int16))
-    ql = _word16(h + 32 * n + 16 * t + 2 * w, okf)
-    qh = _word16(h + 64 + 16 * n + 2 * w, okf)
+    ql = word16(h + 32 * n + 16 * t + 2 * w, okf)
+    qh = word16(h + 64 + 16 * n + 2 * w, okf)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
     xw = xq + sb * 64 + 32 * n + 8 * t + w
@@ -266,10 +257,10 @@ def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
     sp = (base + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
     sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
     sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
-    f0 = _i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
-    f1 = _i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
+    f0 = i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
+    f1 = i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
     b0 = sb * 8 + 4 * n + t + z  # activation block of quarter r = t
-    d = _f16(base + 208, okf) * wt
+    d = f16_at(base + 208, okf) * wt
     xd0 = tl.load(xd + b0, mask=okf, other=0.0)
     xd1 = tl.load(xd + b0 + 2, mask=okf, other=0.0)
     acc = tl.fma(d * xd0, f0, acc)  # explicit FMAs: see `_acc_q4_k`
@@ -285,9 +276,9 @@ def _acc_q8_0(acc, rows, sb, b, ok, wt, xq, xd, ASM: tl.constexpr):
     okf = ok & (w >= 0)
     blk = sb * 8 + (b * 3) % 8 + z  # block index within the row (blocks permuted likewise)
     h = (rows + blk * 34).to(tl.pointer_type(tl.int16))  # [MB, BN, R, 8]
-    q = _word16(h + 1 + 2 * w, okf)
+    q = word16(h + 1 + 2 * w, okf)
     x = tl.load(xq + blk * 8 + w, mask=okf, other=0)
-    f = _i2f(dp4a(q, x, z, ASM))
+    f = i2f(dp4a(q, x, z, ASM))
     d = tl.load(h.to(tl.pointer_type(tl.float16)), mask=okf, other=0.0).to(tl.float32) * wt
     return tl.fma(d * tl.load(xd + blk, mask=okf, other=0.0), f, acc)  # see `_acc_q4_k`
 
@@ -353,6 +344,28 @@ def mmvq_rows(rows, xq, xd, xs, stride_q, stride_d, M, g_lo, GROUPS: tl.constexp
 
 
 @triton.jit
+def store_q8_blocks(x, b, NB, q_row, d_row, s_row):
+    """Round blocks of one activation row to q8 (`quantize_q8_ref`) and store them: x
+    [BLOCKS, 8, 4] float32 holds blocks b [BLOCKS] (value 32 b + 4 w + i at [., w, i]); the
+    words go to q_row + 8 b (int32), d and s to d_row + b, s_row + b, where b < NB. The one
+    place the rounding is written: `quantize_q8` and the fused norm (`norm_rope`) both call it,
+    so their bits agree."""
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BLOCKS]
+    c127 = tl.full(amax.shape, 127.0, tl.float32)
+    inv = tl.where(amax > 0, tl.math.div_rn(c127, tl.where(amax > 0, amax, 1.0)), 0.0)
+    q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)  # [BLOCKS, 8, 4]
+    d = tl.math.div_rn(amax, c127)
+    s = d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)
+    i = tl.arange(0, 4)[None, None, :]
+    words = tl.sum((q & 0xFF) << (8 * i), axis=2)  # [BLOCKS, 8] (disjoint bytes: sum == or)
+    ok = b < NB
+    w2 = tl.arange(0, 8)[None, :]
+    tl.store(q_row + b[:, None] * 8 + w2, words, mask=ok[:, None])
+    tl.store(d_row + b, d, mask=ok)
+    tl.store(s_row + b, s, mask=ok)
+
+
+@triton.jit
 def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, stride_xm, stride_qm, stride_dm,
                         BLOCKS: tl.constexpr):  # fmt: skip
     """Program (row m, BLOCKS activation blocks): see `quantize_q8_ref`."""
@@ -362,18 +375,7 @@ def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, stride_xm, stride_qm, st
     w = tl.arange(0, 8)[None, :, None]
     i = tl.arange(0, 4)[None, None, :]
     x = tl.load(x_ptr + m * stride_xm + bc * 32 + 4 * w + i).to(tl.float32)  # [BLOCKS, 8, 4]
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BLOCKS]
-    c127 = tl.full(amax.shape, 127.0, tl.float32)
-    inv = tl.where(amax > 0, tl.math.div_rn(c127, tl.where(amax > 0, amax, 1.0)), 0.0)
-    q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)  # [BLOCKS, 8, 4]
-    d = tl.math.div_rn(amax, c127)
-    s = d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)
-    words = tl.sum((q & 0xFF) << (8 * i), axis=2)  # [BLOCKS, 8] (disjoint bytes: sum == or)
-    ok = b < NB
-    w2 = tl.arange(0, 8)[None, :]
-    tl.store(q_ptr + m * stride_qm + b[:, None] * 8 + w2, words, mask=ok[:, None])
-    tl.store(d_ptr + m * stride_dm + b, d, mask=ok)
-    tl.store(s_ptr + m * stride_dm + b, s, mask=ok)
+    store_q8_blocks(x, b, NB, q_ptr + m * stride_qm, d_ptr + m * stride_dm, s_ptr + m * stride_dm)
 
 
 def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
@@ -411,208 +413,6 @@ def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(m < M) & (n[None, :] < N))
 
 
-# ---- the "once" variant: activations loaded once per program, rows walked statically -----------
-#
-# The tile is [R, 2, M_BLOCK, 4] (R runs of 8 words per step, a run's words split 4 + 4 along
-# dimensions 1 and 3): a program loads its activation words and scales in that tile once per
-# step and reuses them for each of its BLOCK_N rows (a static loop, so every row's loads are in
-# flight together), where `_mmvq_kernel` re-reads them for every row. Weight-only values (words,
-# block headers) are loaded as [R, 2, 1, 4] and broadcast over M. The four words of a (run, half)
-# are summed as integers first (exact) and scaled once per 16 values (the Q6_K scale spacing),
-# so the float work is per 16 weights, not per word.
-
-
-@triton.jit
-def _act_scales(p, b0, ok, j):
-    """Two float32 activation scales p[b0] (at j == 0) and p[b0 + 1] (j == 1) of each
-    (m, run, half) of a [R, 2, MB, 4] tile, from one load in the tile's shape, picked out by
-    where-sums over j (exact: one nonzero term)."""
-    v = tl.load(p + b0 + j, mask=ok & (j < 2), other=0.0)
-    v0 = tl.sum(tl.where(j == 0, v, 0.0), axis=3)[:, :, :, None]
-    v1 = tl.sum(tl.where(j == 1, v, 0.0), axis=3)[:, :, :, None]
-    return v0, v1
-
-
-@triton.jit
-def _once_q4_k(rows, sb, c, ok, h, j, xa, xb, xd0, xd1, xs0, xs1, Q5: tl.constexpr,
-               ASM: tl.constexpr):  # fmt: skip
-    """Partial sums float32 [R, 2, MB, 1] of one Q4_K (Q5_K when Q5) row (`rows` a scalar byte
-    pointer) over runs (sb, c) [R, 1, 1, 1]: word w = 4h + j of run c (as `_acc_q4_k`); xa, xb
-    [R, 2, MB, 4] the activation words of the low and high nibbles; xd*, xs* [R, 2, MB, 1] the
-    scales of activation blocks 2c and 2c + 1. The min term goes to half 0."""
-    BLK: tl.constexpr = 176 if Q5 else 144
-    QS: tl.constexpr = 48 if Q5 else 16
-    w = 4 * h + j  # [1, 1, 2, 4]
-    okw = ok & (w >= 0)  # [R, 2, 1, 4]
-    blk = rows + sb * BLK  # [R, 1, 1, 1]
-    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=okw, other=0)
-    lo = qs & 0x0F0F0F0F
-    hi = (qs >> 4) & 0x0F0F0F0F
-    if Q5:
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=okw, other=0)
-        lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
-        hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-    z = tl.zeros(xa.shape, tl.int32)
-    s0 = tl.sum(dp4a(lo, xa, z, ASM), axis=3)[:, :, :, None]  # [R, 2, MB, 1], |s| < 2^17
-    s1 = tl.sum(dp4a(hi, xb, z, ASM), axis=3)[:, :, :, None]
-    # header words 0..3 (d|dmin, 12 scale bytes) at j = 0..3, the same for both halves
-    hdr = tl.load(blk.to(tl.pointer_type(tl.int32)) + j + 0 * h, mask=okw, other=0)
-    h0 = tl.sum(tl.where(j == 0, hdr, 0), axis=3)[:, :, :, None]
-    h1 = tl.sum(tl.where(j == 1, hdr, 0), axis=3)[:, :, :, None]
-    h2 = tl.sum(tl.where(j == 2, hdr, 0), axis=3)[:, :, :, None]
-    h3 = tl.sum(tl.where(j == 3, hdr, 0), axis=3)[:, :, :, None]
-    sc0, mn0 = _k_scale_min_words(h1, h2, h3, 2 * c)
-    sc1, mn1 = _k_scale_min_words(h1, h2, h3, 2 * c + 1)
-    d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    part = (d * sc1 * xd1) * _i2f(s1)
-    part = tl.fma(d * sc0 * xd0, _i2f(s0), part)  # explicit FMAs: see `_acc_q4_k`
-    return part - tl.where(h == 0, dmin * tl.fma(mn0, xs0, mn1 * xs1), 0.0)
-
-
-@triton.jit
-def _once_q6_k(rows, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM: tl.constexpr):
-    """As `_once_q4_k` for Q6_K (layout of `_acc_q6_k`): word w = 4h + jp (jp a permutation of
-    0..3: these 2-byte aligned blocks are read as 16-bit halves, and no load may be contiguous
-    along the tile, so that all share one layout); x0, x1 the activation words of quarters t and
-    2 + t; xd0, xd1 their blocks' scales. Scale 8n + 2t + h serves half h."""
-    w = 4 * h + jp
-    okw = ok & (w >= 0)
-    n = c // 2
-    t = c % 2
-    base = rows + sb * 210  # [R, 1, 1, 1]
-    hp = base.to(tl.pointer_type(tl.int16))
-    ql = _word16(hp + 32 * n + 16 * t + 2 * w, okw)  # [R, 2, 1, 4]
-    qh = _word16(hp + 64 + 16 * n + 2 * w, okw)
-    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)
-    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)
-    z = tl.zeros(x0.shape, tl.int32)
-    m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset
-    s0 = tl.sum(dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM), axis=3)[:, :, :, None]  # |s| < 2^16
-    s1 = tl.sum(dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM), axis=3)[:, :, :, None]
-    # The four scales 8n + 2t + (0, 1, 4, 5) of the run at jp = 0, 1, 2, 3 (the same for both
-    # halves: a load contiguous along h would get a layout of its own), and d (float16 at 208);
-    # loads in the tile's shape, half h's scales picked out by where-sums.
-    sp = base + 192 + 8 * n + 2 * t + (jp % 2) + 4 * (jp // 2) + 0 * h
-    sc = tl.load(sp.to(tl.pointer_type(tl.int8)), mask=okw, other=0).to(tl.int32)
-    sc0 = _i2f(tl.sum(tl.where(jp == h, sc, 0), axis=3)[:, :, :, None])
-    sc1 = _i2f(tl.sum(tl.where(jp == 2 + h, sc, 0), axis=3)[:, :, :, None])
-    dv = _f16(base + 208 + 0 * w, okw & (jp == 2))
-    d = tl.sum(tl.where(jp == 2, dv, 0.0), axis=3)[:, :, :, None]
-    part = (d * sc1 * xd1) * _i2f(s1)
-    return tl.fma(d * sc0 * xd0, _i2f(s0), part)
-
-
-@triton.jit
-def _once_q8_0(rows, blk, ok, h, jp, x, xd, ASM: tl.constexpr):
-    """As `_once_q6_k` for Q8_0, as a (scale, integer sum) pair [R, 2, MB, 1]: run = 34-byte
-    block `blk` [R, 1, 1, 1] of the row, word w = 4h + jp of its 32 int8 quants; x its
-    activation words, xd [R, 2, MB, 1] its scale."""
-    w = 4 * h + jp
-    okw = ok & (w >= 0)
-    hp = (rows + blk * 34).to(tl.pointer_type(tl.int16))  # [R, 1, 1, 1]
-    q = _word16(hp + 1 + 2 * w, okw)
-    s = tl.sum(dp4a(q, x, tl.zeros(x.shape, tl.int32), ASM), axis=3)[:, :, :, None]
-    d = tl.load((hp + 0 * h).to(tl.pointer_type(tl.float16)), mask=ok & (h >= 0), other=0.0)
-    return d.to(tl.float32) * xd, _i2f(s)  # the caller adds their product in one explicit FMA
-
-
-@triton.jit
-def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, xs,
-               QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """parts [R, 2, MB, BN] plus one step: the activations of runs r [R, 1, 1, 1] (group sb)
-    loaded once, then each of the BLOCK_N rows (row i at rows0 + min(i, rows_last) * stride_wn)
-    added to its column."""
-    col = tl.arange(0, BLOCK_N)[None, None, None, :]  # [1, 1, 1, BN]
-    jp = (3 * j) % 4  # see `_once_q6_k`
-    okx = ok & (m >= 0) & (h >= 0) & (j >= 0)  # [R, 2, MB, 4]
-    if QTYPE == Q8_0:
-        blk = sb * 8 + (r % 8 * 3) % 8  # blocks permuted: no contiguity along R
-        x = tl.load(xq + blk * 8 + 4 * h + jp, mask=okx, other=0)
-        xdv = tl.load(xd + blk + 0 * h + 0 * jp, mask=okx & (jp == 0), other=0.0)
-        xdv = tl.sum(xdv, axis=3)[:, :, :, None]  # [R, 2, MB, 1]
-        for i in tl.static_range(BLOCK_N):
-            row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
-            scale, f = _once_q8_0(row, blk, ok, h, jp, x, xdv, ASM)
-            parts = tl.where(col == i, tl.fma(scale, f, parts), parts)  # see `_acc_q4_k`
-    elif QTYPE == Q6_K:
-        c = r % 4
-        n = c // 2
-        t = c % 2
-        xw = xq + sb * 64 + 32 * n + 8 * t + 4 * h + jp
-        x0 = tl.load(xw, mask=okx, other=0)
-        x1 = tl.load(xw + 16, mask=okx, other=0)
-        b0 = sb * 8 + 4 * n + t  # activation block of quarter t (2 + t: b0 + 2)
-        xdv = tl.load(xd + b0 + 2 * (jp % 2) + 0 * h, mask=okx & (jp < 2), other=0.0)
-        xd0 = tl.sum(tl.where(jp == 0, xdv, 0.0), axis=3)[:, :, :, None]
-        xd1 = tl.sum(tl.where(jp == 1, xdv, 0.0), axis=3)[:, :, :, None]
-        for i in tl.static_range(BLOCK_N):
-            row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
-            part = _once_q6_k(row, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM)
-            parts = tl.where(col == i, parts + part, parts)
-    else:
-        tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
-        c = r % 4
-        xw = xq + sb * 64 + 16 * c + 4 * h + j
-        xa = tl.load(xw, mask=okx, other=0)
-        xb = tl.load(xw + 8, mask=okx, other=0)
-        b0 = sb * 8 + 2 * c + 0 * h  # activation blocks 2c, 2c + 1
-        xd0, xd1 = _act_scales(xd, b0, okx, j)
-        xs0, xs1 = _act_scales(xs, b0, okx, j)
-        for i in tl.static_range(BLOCK_N):
-            row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
-            part = _once_q4_k(row, sb, c, ok, h, j, xa, xb, xd0, xd1, xs0, xs1, QTYPE == Q5_K, ASM)
-            parts = tl.where(col == i, parts + part, parts)
-    return parts
-
-
-@triton.jit
-def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm,
-                      stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr,
-                      QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
-                      G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """Program (BLOCK_N rows, K split): the "once" variant (see above). The tile is ordered
-    [R, 2, MB, 4] so that M comes last among the non-contiguous dimensions: the layout gives
-    the lanes to the runs, M goes to registers, and the activation tile and the weight tiles
-    [R, 2, 1, 4] share one layout at any M. Each row's [R, 2, MB, 1] partials are added to
-    column `row` of one [R, 2, MB, BN] tile (a select in registers); the steps' partials are
-    summed per element in step order, then reduced once by `tree_sum` (the only layout
-    conversion, one barrier). A fixed order: a row's bits do not depend on M (rows past M
-    repeat row M - 1). Up to two steps are unrolled at M <= 2 (their loads can all be in
-    flight); more run as a loop (unrolling six steps of 16 rows took minutes to compile; two
-    steps at M = 8 spilled). Unrolled or not, the arithmetic is the same."""
-    SUB: tl.constexpr = 8 if QTYPE == Q8_0 else 4  # runs per group
-    R: tl.constexpr = SUB * G
-    g_lo = tl.program_id(1) * GROUPS_PER_SPLIT
-    g_end = g_lo + GROUPS_PER_SPLIT
-    rows0 = w_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * stride_wn
-    rows_last = N - 1 - tl.program_id(0) * BLOCK_N  # rows past N repeat row N - 1
-    r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
-    h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
-    m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[None, None, :, None]  # [1, 1, MB, 1]
-    j = tl.arange(0, 4)[None, None, None, :]  # [1, 1, 1, 4]
-    xq = q_ptr + m * stride_qm
-    xd = d_ptr + m * stride_dm
-    xs = s_ptr + m * stride_dm
-    parts = tl.zeros([R, 2, M_BLOCK, BLOCK_N], tl.float32)
-    if GROUPS_PER_SPLIT <= 2 * G and M_BLOCK <= 2:
-        for i in tl.static_range(0, GROUPS_PER_SPLIT, G):
-            sb = g_lo + i + r // SUB
-            parts = _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, sb < g_end,
-                               xq, xd, xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
-    else:
-        for i in range(0, GROUPS_PER_SPLIT, G):
-            sb = g_lo + i + r // SUB
-            parts = _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, sb < g_end,
-                               xq, xd, xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
-    # [MB, BN, R, 2]: a row's elements in (run, half) order, as `tree_sum` takes them
-    out = tree_sum(tl.permute(parts, (2, 3, 0, 1)), M_BLOCK, BLOCK_N, 2 * R)
-    nn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    mm = tl.arange(0, M_BLOCK)[:, None]
-    dst = out_ptr + tl.program_id(1) * stride_os + mm * stride_om + nn
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(mm < M) & (nn < N))
-
-
 VARIANTS = ("tile", "once")
 # The kernel `mmvq_config` picks. H200 (`bench/mmvq_sweep.py`, 2026-11-30): "once" was faster
 # on all 14 decode cases (Qwen3-30B-A3B and Qwen3-8B, M = 1 and 2), e.g. 30B q/k/v 4.9 us
@@ -623,8 +423,8 @@ DEFAULT_VARIANT = "once"
 class MmvqConfig(NamedTuple):
     """Launch shape of `mmvq`: rows per program, K splits, groups per step (a power of two),
     warps, and the kernel: "tile" (`_mmvq_kernel`: [M, rows, runs, 8] tile, activations loaded
-    per row) or "once" (`_mmvq_once_kernel`: activations loaded once per program, rows walked
-    by a static loop; its warps are capped by `once_warps`)."""
+    per row) or "once" (`mmvq_once`: activations loaded once per program, rows walked by a
+    static loop; its warps are capped by `mmvq_once.once_warps`)."""
 
     block_n: int = 16
     split_k: int = 1
@@ -652,7 +452,7 @@ def mmvq_config(
     three or more steps, e.g. K >= 2048 at M = 4); from the H200 sweep
     (`bench/kernels_gpu.py --sweep`): 4 rows and 8 groups per step were fastest or within 3% on
     every decode shape of Qwen3-30B-A3B and Qwen3-8B. "once": up to 8 groups per step, 2 warps
-    (capped by `once_warps`); nothing depends on M, so a row's bits do not either."""
+    (capped by `mmvq_once.once_warps`); nothing depends on M, so a row's bits do not either."""
     block_n = 4
     if triton.cdiv(n, block_n) < 2 * sms:
         block_n = 2
@@ -672,13 +472,6 @@ def mmvq_config(
         g = 1 << (min(groups // split_k, 8).bit_length() - 1)  # a power of two <= 8
         return MmvqConfig(block_n, split_k, g, 2, "once")
     return MmvqConfig(block_n, split_k, groups_per_step(groups // split_k, m_block, block_n), 4)
-
-
-def once_warps(cfg: MmvqConfig, sub: int) -> int:
-    """Warps of a "once" launch: at most runs per step / 16 (sub runs per group), so that each
-    lane holds 4 words of a run (16-byte loads; the activation and weight tiles then share one
-    layout at any M, no layout conversion between the loads in the sm_90 build)."""
-    return max(1, min(cfg.num_warps, sub * cfg.groups // 16))
 
 
 def use_asm(device: torch.device) -> bool:
@@ -735,15 +528,17 @@ def mmvq(
     if cfg.variant not in VARIANTS or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"{cfg}: variant must be one of {VARIANTS}, block_n a power of two")
     dst, stride_os = split_k_target(out, cfg.split_k)
-    kernel, warps = _mmvq_kernel, cfg.num_warps
     if cfg.variant == "once":
-        kernel, warps = _mmvq_once_kernel, once_warps(cfg, 8 if int(w.qtype) == Q8_0.value else 4)
-    kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
-        stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
-        BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
-        ASM=use_asm(out.device), num_warps=warps,
-    )  # fmt: skip
+        from moestream.kernels.mmvq_once import launch_mmvq_once  # it imports this module
+
+        launch_mmvq_once(a, w, dst, stride_os, cfg, m_block)
+    else:
+        _mmvq_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+            a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
+            stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
+            BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
+            ASM=use_asm(out.device), num_warps=cfg.num_warps,
+        )  # fmt: skip
     reduce_split_k(out, dst)
     return out
 

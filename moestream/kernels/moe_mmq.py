@@ -3,7 +3,7 @@ pairs grouped by expert (`moe.align_assignments`, on the device), blocks of BLOC
 expert per program, so an expert's weights are read once per block instead of once per pair;
 each block's gate/up and down are `mmq.mmq_tile`s (int8 `tl.dot` per block of 32 values, scales
 in float32). Numerics are the "mmvq" path's (x and h rounded to q8 blocks): its reference
-`moe.moe_mmvq_ref` is this path's too.
+`moe_mmvq.moe_mmvq_ref` is this path's too.
 
 Letters: T tokens, H hidden, F expert FFN, E experts, S slots, k experts per token,
 A = T*k assignments.

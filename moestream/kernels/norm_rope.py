@@ -14,29 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.mmvq import QBLOCK, Q8Act
-
-
-@triton.jit
-def _quantize_q8_row(y, q_ptr, d_ptr, s_ptr, NB, BLOCK_H: tl.constexpr):
-    """One row y [BLOCK_H] float32 (zero past the row's end) rounded to q8 blocks of 32 into
-    the row pointers q_ptr (int32 words), d_ptr and s_ptr (NB blocks): the operations of
-    `kernels.mmvq._quantize_q8_kernel`, in the same order, so the bits are those of
-    `quantize_q8`."""
-    x = tl.reshape(y, [BLOCK_H // 32, 8, 4])
-    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BLOCK_H / 32]
-    c127 = tl.full(amax.shape, 127.0, tl.float32)
-    inv = tl.where(amax > 0, tl.math.div_rn(c127, tl.where(amax > 0, amax, 1.0)), 0.0)
-    q = tl.floor(x * inv[:, None, None] + 0.5).to(tl.int32)  # [BLOCK_H / 32, 8, 4]
-    d = tl.math.div_rn(amax, c127)
-    s = d * tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32)
-    i = tl.arange(0, 4)[None, None, :]
-    words = tl.sum((q & 0xFF) << (8 * i), axis=2)  # [BLOCK_H / 32, 8] (disjoint bytes)
-    b = tl.arange(0, BLOCK_H // 32)
-    ok = b < NB
-    tl.store(q_ptr + b[:, None] * 8 + tl.arange(0, 8)[None, :], words, mask=ok[:, None])
-    tl.store(d_ptr + b, d, mask=ok)
-    tl.store(s_ptr + b, s, mask=ok)
+from moestream.kernels.mmvq import QBLOCK, Q8Act, store_q8_blocks
 
 
 @triton.jit
@@ -61,14 +39,10 @@ def _add_rms_norm_kernel(
     y = (w * (h * tl.math.rsqrt(var + eps))).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_o + i, y, mask=ok)
     if Q8:  # the stored values (zero past H), rounded to q8 as `quantize_q8` would
-        _quantize_q8_row(
-            y.to(tl.float32),
-            q_ptr + t * stride_q,
-            d_ptr + t * stride_d,
-            s_ptr + t * stride_d,
-            H // 32,
-            BLOCK_H,
-        )
+        b = tl.arange(0, BLOCK_H // 32)
+        x8 = tl.reshape(y.to(tl.float32), [BLOCK_H // 32, 8, 4])
+        store_q8_blocks(x8, b, H // 32, q_ptr + t * stride_q, d_ptr + t * stride_d,
+                        s_ptr + t * stride_d)  # fmt: skip
 
 
 def _check_norm_args(

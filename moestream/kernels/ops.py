@@ -324,7 +324,7 @@ def moe_forward(
     topk_weights [T, k] float are made contiguous, expert_slot int32, if they are not already.
     `xa`: x already rounded by `kernels.mmvq.quantize_q8` (bit for bit), used by the fused
     kernel's integer-dot path instead of quantizing x (`moe_takes_q8`); ignored elsewhere.
-    `counters`: the integer-dot path's arrival counters (`kernels.moe.mmvq_counters`, kept by
+    `counters`: the integer-dot path's arrival counters (`kernels.moe_mmvq.mmvq_counters`, kept by
     the caller so that a step allocates and zeroes none); made per call when None.
     """
     if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):

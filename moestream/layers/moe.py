@@ -167,7 +167,7 @@ class SparseMoE:
             from moestream.kernels.router import route_counters
 
             self.route_counters = route_counters(router.device)
-        # Likewise for the fused experts' gate/up split (`kernels.moe.mmvq_counters`), made
+        # Likewise for the fused experts' gate/up split (`kernels.moe_mmvq.mmvq_counters`), made
         # at the first fused call (the eager step before any graph capture).
         self._moe_counters: torch.Tensor | None = None
 
@@ -235,7 +235,8 @@ class SparseMoE:
             counters = None
             if x.device.type == "cuda":
                 if self._moe_counters is None:
-                    from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, mmvq_counters
+                    from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS
+                    from moestream.kernels.moe_mmvq import mmvq_counters
 
                     self._moe_counters = mmvq_counters(
                         MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device

@@ -19,8 +19,8 @@ pytest.importorskip("triton", reason="triton is not installed")
 from moestream.kernels.mmq import MmqConfig, mmq, mmq_config  # noqa: E402
 from moestream.kernels.mmvq import mmvq_ref as mmq_ref  # noqa: E402  (the same product)
 from moestream.kernels.mmvq import quantize_q8  # noqa: E402
-from moestream.kernels.moe import moe_mmvq_ref as moe_mmq_ref  # noqa: E402  (same numerics)
 from moestream.kernels.moe_mmq import moe_mmq, moe_mmq_config  # noqa: E402
+from moestream.kernels.moe_mmvq import moe_mmvq_ref as moe_mmq_ref  # noqa: E402  (same numerics)
 from tests.kernels.test_moe_kernel import rel_err, routing, stacked  # noqa: E402
 from tests.kernels.test_quant_matmul import activations, quantized, random_blocks  # noqa: E402
 

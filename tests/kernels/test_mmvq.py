@@ -123,7 +123,8 @@ def test_mmvq_once_batch_invariance_over_many_steps() -> None:
 
 
 def test_mmvq_once_default_config_does_not_depend_on_m() -> None:
-    from moestream.kernels.mmvq import mmvq_config, once_warps
+    from moestream.kernels.mmvq import mmvq_config
+    from moestream.kernels.mmvq_once import once_warps
 
     cfgs = {mmvq_config(5120, 4096, 132, mb, variant="once") for mb in (1, 2, 4, 8)}
     assert len(cfgs) == 1

@@ -23,14 +23,8 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 pytest.importorskip("triton", reason="triton is not installed")
 
 from moestream.kernels.mmvq import quantize_q8  # noqa: E402
-from moestream.kernels.moe import (  # noqa: E402
-    MoeMmvqConfig,
-    align_assignments,
-    default_method,
-    fused_moe,
-    mmvq_counters,
-    moe_mmvq_ref,
-)
+from moestream.kernels.moe import align_assignments, default_method, fused_moe  # noqa: E402
+from moestream.kernels.moe_mmvq import MoeMmvqConfig, mmvq_counters, moe_mmvq_ref  # noqa: E402
 
 T = GGMLQuantizationType
 

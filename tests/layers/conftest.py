@@ -40,7 +40,7 @@ def quantize_q8_calls(monkeypatch) -> list[int]:
     MoE's), in order."""
     pytest.importorskip("triton", reason="triton is not installed")
     from moestream.kernels import mmvq
-    from moestream.kernels import moe as moe_kernels
+    from moestream.kernels import moe_mmvq as moe_kernels
 
     calls: list[int] = []
     real = mmvq.quantize_q8

@@ -1,0 +1,428 @@
+"""The "mmvq" path of the fused MoE FFN (`moe.fused_moe`): decode with integer dot products on
+q8 activations, for Q4_K/Q5_K/Q6_K/Q8_0 experts (`mmvq.MMVQ_QTYPES`).
+
+out[t] = sum_j w[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]),  s = expert_slot[topk_ids[t, j]]
+
+Three launches: x rounded to q8 blocks (`mmvq.quantize_q8`, or the caller's); one program per
+(assignment, 32 F rows, K split) for gate and up loaded in the same K steps, the last split to
+arrive adding the partials in split order and fusing SiLU and h's q8 rounding
+(`_gate_up_mmvq_kernel`); then one program per (token, block of H rows) that walks the token's
+k experts a few at a time (scalar ids and pointers), routing weight folded into the block
+scales, written straight into out [T, H] (`_down_mmvq_kernel`). Experts are found through the
+device-side `expert_slot` table or a [3, E] table of byte addresses. Launch variants in
+`MoeMmvqConfig`; every one keeps a token's bits independent of the batch (one build at every T,
+fixed-order sums, no atomics in the sums). `moe_mmvq_ref` is the torch reference.
+
+Letters: T tokens, H hidden, F expert FFN, E experts, S weight slots, k experts per token,
+A = T*k assignments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+from moestream.kernels.mmvq import (
+    MMVQ_QTYPES,
+    Q8Act,
+    acc_runs,
+    dp4a,
+    f16_at,
+    i2f,
+    mmvq_rows,
+    quantize_q8,
+    tree_sum,
+    use_asm,
+    word16,
+)
+from moestream.weights.qtensor import QTensor
+
+
+@dataclass(frozen=True)
+class MoeMmvqConfig:
+    """Launch shape of the "mmvq" path (independent of T: a token's bits must not depend on the
+    batch). gate/up kernel (32 F rows per program): `up_groups` groups of 256 per K step,
+    `up_warps`, `up_split` K splits (partials summed by the last program to arrive; 1: none),
+    `up_fused` gate and up loaded in the same K step (else one after the other). down kernel:
+    `down_block_n` H rows per program, `down_groups` groups per step, `down_warps`,
+    `down_experts` experts unrolled per step of the runtime loop over the token's k (k or
+    more: all unrolled), `down_rows` the [runs, words, rows] tile with activations loaded once
+    per program for a Q6_K down (`_acc_q6_k_rows`; other types take the [1, rows, runs, words]
+    tile of `mmvq.acc_runs`). Where a split or chunk does not divide H / 256 or k, the largest
+    divisor below it is taken. `up_tree`, `down_tree`: a kernel's per-step reductions as
+    `mmvq.tree_sum`'s pairwise tree, else a plain `tl.sum` (`_row_sums`; both batch
+    invariant; the unfused gate/up always takes trees, the "rows" tile always plain sums)."""
+
+    # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`bench/kernels_gpu.py --sweep-moe`, 2026-11-30,
+    # bench/RESULTS.md): 26.7 us at T = 1 and 123.2 us at T = 8, against 34.5 / 172.9 for the
+    # shape before the variants (gate then up, 8 warps, no split; all 8 experts unrolled in
+    # down). Within 1% of the fastest of 44 shapes at both T.
+    up_groups: int = 2
+    up_warps: int = 4
+    up_split: int = 4
+    up_fused: bool = True
+    down_block_n: int = 4
+    down_groups: int = 4
+    down_warps: int = 4
+    down_experts: int = 8
+    down_rows: bool = True
+    up_tree: bool = False
+    down_tree: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("up_groups", "up_split", "down_block_n", "down_groups", "down_experts"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoeMmvqConfig.{name} must be a power of two, got {v}")
+        for name in ("up_warps", "down_warps"):
+            if getattr(self, name) not in (1, 2, 4, 8, 16):
+                raise ValueError(f"MoeMmvqConfig.{name} must be 1, 2, 4, 8 or 16")
+
+
+@triton.jit
+def _row_sums(part, BN: tl.constexpr, N: tl.constexpr, TREE: tl.constexpr):
+    """part [1, BN, R, 8] -> [1, BN]: `tree_sum` (a pairwise tree by index) or, not TREE, a
+    plain `tl.sum` whose order follows the register layout. Both are batch invariant here:
+    the tile's shape, hence its layout, is the same at every T (one token or one assignment
+    per program), so a token's sums run in the same order whatever the batch; the plain sum
+    needs no layout conversions between tree levels."""
+    if TREE:
+        y = tree_sum(part, 1, BN, N)
+    else:
+        y = tl.sum(tl.sum(part, axis=3), axis=2)
+    return y
+
+
+@triton.jit
+def _gate_up_rows(g_rows, u_rows, xq, xd, xs, g_lo, GROUPS: tl.constexpr, QG: tl.constexpr,
+                  QU: tl.constexpr, G: tl.constexpr, FUSED: tl.constexpr, TREE: tl.constexpr,
+                  ASM: tl.constexpr):  # fmt: skip
+    """(g, u) float32 [1, 32]: 32 gate rows and 32 up rows (`g_rows`, `u_rows`: [32] byte
+    pointers) against one token's q8 activations over groups g_lo .. g_lo + GROUPS - 1.
+
+    FUSED: a K step loads G groups of gate and of up together (one round trip per step for
+    both), each step reduced by `_row_sums` (TREE) and the steps summed in order; else gate's
+    steps run, then up's (`mmvq_rows`: `tree_sum`, the same bits as FUSED with TREE)."""
+    if FUSED:
+        SUB_G: tl.constexpr = 8 if QG == 8 else 4  # runs of 8 words per group (Q8_0: 8)
+        SUB_U: tl.constexpr = 8 if QU == 8 else 4
+        rg = g_rows[None, :, None, None]  # [1, 32, 1, 1]
+        ru = u_rows[None, :, None, None]
+        cg = tl.arange(0, SUB_G * G)[None, None, :, None]  # (group, run)
+        cu = tl.arange(0, SUB_U * G)[None, None, :, None]
+        g = tl.zeros([1, 32], tl.float32)
+        u = tl.zeros([1, 32], tl.float32)
+        for i in range(0, GROUPS, G):
+            sbg = g_lo + i + cg // SUB_G
+            sbu = g_lo + i + cu // SUB_U
+            pg = tl.zeros([1, 32, SUB_G * G, 8], tl.float32)
+            pu = tl.zeros([1, 32, SUB_U * G, 8], tl.float32)
+            pg = acc_runs(pg, rg, sbg, cg % SUB_G, sbg < g_lo + GROUPS, 1.0, xq, xd, xs, QG, ASM)
+            pu = acc_runs(pu, ru, sbu, cu % SUB_U, sbu < g_lo + GROUPS, 1.0, xq, xd, xs, QU, ASM)
+            g += _row_sums(pg, 32, SUB_G * G * 8, TREE)
+            u += _row_sums(pu, 32, SUB_U * G * 8, TREE)
+    else:
+        g = mmvq_rows(g_rows, xq, xd, xs, 0, 0, 1, g_lo, GROUPS, QG, 32, 1, G, ASM)  # [1, 32]
+        u = mmvq_rows(u_rows, xq, xd, xs, 0, 0, 1, g_lo, GROUPS, QU, 32, 1, G, ASM)
+    return g, u
+
+
+@triton.jit
+def _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
+    """h = silu(g) * u ([1, 32], F rows blk * 32 ..) rounded to one q8 block of assignment a's
+    row of hq [A, F/4], hd and hs [A, F/32] (`mmvq.quantize_q8_ref`)."""
+    h = g * tl.sigmoid(g) * u  # [1, 32]
+    amax = tl.max(tl.abs(h))
+    inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+    q = tl.floor(h * inv + 0.5).to(tl.int32)  # [1, 32]
+    d = tl.math.div_rn(amax, 127.0)
+    i = tl.arange(0, 4)[None, :]
+    words = tl.sum((tl.reshape(q, (8, 4)) & 0xFF) << (8 * i), axis=1)  # [8] (disjoint bytes)
+    a64 = a.to(tl.int64)
+    tl.store(hq_ptr + a64 * (F // 4) + blk * 8 + tl.arange(0, 8), words)
+    tl.store(hd_ptr + a64 * (F // 32) + blk, d)
+    tl.store(hs_ptr + a64 * (F // 32) + blk, d * tl.sum(q).to(tl.float32))
+
+
+@triton.jit(do_not_specialize=["A"])  # one build at every T: see `_row_sums`
+def _gate_up_mmvq_kernel(
+    xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr, addr_ptr,
+    part_ptr, count_ptr,
+    E_ADDR, A, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
+    TREE: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (assignment a, block of 32 F rows, K split s): gate and up rows against token
+    a // TOPK's quantized activations, h = silu(g) * u, written quantized (one 32-value q8
+    block). Expert e's weights are at slot expert_slot[e] of the stacks, or with ADDR at the
+    byte addresses addr[0, e] (gate) and addr[1, e] (up) of an [3, E_ADDR] int64 table
+    (device or mapped host memory).
+
+    SPLIT > 1: split s covers H_GROUPS / SPLIT groups and stores its float32 sums in
+    part [SPLIT, 2, A, F]; the last of the block's SPLIT programs to arrive (an arrival
+    counter per (a, block), count [A, F/32], zero before the launch and reset by that
+    program) adds the partials in split order (fixed: no dependence on arrival order) and
+    writes h. More, smaller programs for the few assignments of a decode step."""
+    a = tl.program_id(0)
+    blk = tl.program_id(1)
+    s = tl.program_id(2)
+    n = (blk * 32 + tl.arange(0, 32)).to(tl.int64)  # F is a multiple of 256: no tail
+    eid = tl.load(ids_ptr + a)
+    if ADDR:
+        # 16-byte aligned (the caller's contract): lets the weight loads stay vectorized
+        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
+        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
+    else:
+        slot = tl.load(slot_ptr + eid).to(tl.int64)
+        g_base = g_ptr + slot * stride_ge
+        u_base = u_ptr + slot * stride_ue
+    t = (a // TOPK).to(tl.int64)
+    xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+    g_rows = g_base + n * stride_gn  # [32]
+    u_rows = u_base + n * stride_un
+    GPS: tl.constexpr = H_GROUPS // SPLIT
+    g, u = _gate_up_rows(g_rows, u_rows, xq, xd, xs, s * GPS, GPS, QG, QU, G, FUSED, TREE, ASM)
+    if SPLIT == 1:
+        _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+    else:
+        cols = n[None, :]  # [1, 32]
+        a64 = a.to(tl.int64)
+        tl.store(part_ptr + ((2 * s) * A + a64) * F + cols, g)
+        tl.store(part_ptr + ((2 * s + 1) * A + a64) * F + cols, u)
+        # Every thread's partials stored before the release below (the "last block" pattern).
+        tl.debug_barrier()
+        counter = count_ptr + a64 * (F // 32) + blk
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:  # the block's last program: every split's sums are out
+            tl.store(counter, 0)  # ready for the next launch (and CUDA-graph replays)
+            g = tl.zeros([1, 32], tl.float32)
+            u = tl.zeros([1, 32], tl.float32)
+            for j in tl.static_range(SPLIT):  # split order: the same bits whoever arrives last
+                g += tl.load(part_ptr + ((2 * j) * A + a64) * F + cols, cache_modifier=".cg")
+                u += tl.load(part_ptr + ((2 * j + 1) * A + a64) * F + cols, cache_modifier=".cg")
+            _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+
+
+@triton.jit
+def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
+    """Add Q6_K runs to acc [R, 8, BN] ("rows" tile: run r, word w, weight row; the layout of
+    `mmvq._acc_q6_k` otherwise, words in the same permuted order). rows [1, 1, BN] byte
+    pointers to row starts; sb, c, ok [R, 1, 1]. The activation words and scales are loaded
+    once as [R, 8, 1] and broadcast over the rows: in the sm_90 build that load gets the
+    tile's layout (runs and words on the lanes, rows in registers), so the broadcast is free
+    and no shared-memory conversion is needed, where the [1, BN, R, 8] tile of `acc_runs`
+    loads them per row."""
+    zx = tl.zeros([acc.shape[0], 8, 1], tl.int32)
+    w = (tl.arange(0, 8)[None, :, None] * 3) % 8 + zx  # [R, 8, 1], permuted: see _acc_q6_k
+    okx = ok & (w >= 0)
+    n = c // 2
+    t = c % 2
+    xw = xq + sb * 64 + 32 * n + 8 * t + w
+    x0 = tl.load(xw, mask=okx, other=0)  # [R, 8, 1]
+    x1 = tl.load(xw + 16, mask=okx, other=0)
+    b0 = sb * 8 + 4 * n + t + zx  # activation block of quarter t (2 + t: b0 + 2)
+    xd0 = tl.load(xd + b0, mask=okx, other=0.0)
+    xd1 = tl.load(xd + b0 + 2, mask=okx, other=0.0)
+    z = tl.zeros(acc.shape, tl.int32)
+    okf = okx & (z >= 0)  # [R, 8, BN]
+    wf = w + z
+    base = rows + sb * 210 + z  # [R, 8, BN]
+    h = base.to(tl.pointer_type(tl.int16))
+    ql = word16(h + 32 * n + 16 * t + 2 * wf, okf)
+    qh = word16(h + 64 + 16 * n + 2 * wf, okf)
+    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # quarter t
+    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # 2 + t
+    m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
+    sp = (base + 192 + 8 * n + 2 * t + wf // 4).to(tl.pointer_type(tl.int8))
+    sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
+    sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
+    x0f = x0 + z
+    x1f = x1 + z
+    f0 = i2f(sc0 * dp4a(m32, x0f, dp4a(v0, x0f, z, ASM), ASM))
+    f1 = i2f(sc1 * dp4a(m32, x1f, dp4a(v1, x1f, z, ASM), ASM))
+    d = f16_at(base + 208, okf) * wt
+    acc = tl.fma(d * xd0, f0, acc)  # explicit FMAs: see `mmvq._acc_q4_k`
+    return tl.fma(d * xd1, f1, acc)
+
+
+@triton.jit
+def _down_mmvq_kernel(
+    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr, addr_ptr,
+    E_ADDR, H, stride_de, stride_dn, stride_ot,
+    QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, ROWS: tl.constexpr,
+    ADDR: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
+
+    The token's k experts are taken CHUNK at a time (a runtime loop over chunks, so only one
+    chunk's loads are live: registers, hence occupancy); a chunk's experts are unrolled (a
+    static loop) over one tile per K step that accumulates them in selection order and is
+    reduced once (`_row_sums`, or a plain sum with ROWS); the (chunk, step) sums are added in
+    order. The tile is [1, BN, SUB*G, 8] (`mmvq.acc_runs`, any type) or with ROWS (Q6_K)
+    [SUB*G, 8, BN] (`_acc_q6_k_rows`: activations loaded once for all BN rows). Each
+    expert's id, weight and base pointer are scalars: had they been a tensor dimension, their
+    loads would have had a register layout of their own, and moving the pointers derived from
+    them into the tile's layout cost a shared-memory conversion (and a barrier) per load (seen
+    in the sm_90 build). The routing weight scales each expert's block scales. With ADDR,
+    expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G."""
+    SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nr = tl.minimum(n, H - 1).to(tl.int64)
+    if ROWS:
+        tl.static_assert(QD == 14, "the rows tile is for Q6_K")
+        nc = nr[None, None, :]  # [1, 1, BN]
+        r = tl.arange(0, SUB * G)[:, None, None]  # (group, run) [R, 1, 1]
+    else:
+        nc = nr[None, :, None, None]  # [1, BN, 1, 1]
+        r = tl.arange(0, SUB * G)[None, None, :, None]
+    y = tl.zeros([BLOCK_N], tl.float32)
+    for c in tl.range(0, TOPK, CHUNK, loop_unroll_factor=1):
+        for i in range(0, F // 256, G):
+            sb = i + r // SUB
+            ok = sb < F // 256
+            if ROWS:
+                part = tl.zeros([SUB * G, 8, BLOCK_N], tl.float32)
+            else:
+                part = tl.zeros([1, BLOCK_N, SUB * G, 8], tl.float32)
+            for jj in tl.static_range(CHUNK):
+                a = t * TOPK + c + jj  # the assignment (scalar)
+                eid = tl.load(ids_ptr + a)
+                if ADDR:
+                    d_base = tl.multiple_of(tl.load(addr_ptr + 2 * E_ADDR + eid), 16)
+                    d_base = d_base.to(tl.pointer_type(tl.uint8))
+                else:
+                    d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
+                wt = tl.load(weights_ptr + a).to(tl.float32)
+                rows = d_base + nc * stride_dn
+                xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
+                if ROWS:
+                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, ASM)
+                else:
+                    part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
+            if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
+                y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
+            else:
+                y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+    tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+def moe_mmvq_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of the "mmvq" path (same contract as `ops.moe_forward_ref`) -> float32 [T, H]:
+    x and each h = silu(gate x) * up x are rounded to q8 blocks as the kernels do, the
+    products computed in float64 from those values."""
+    from moestream.kernels.mmvq import dequantize_q8, quantize_q8_ref
+
+    xs = dequantize_q8(quantize_q8_ref(x.float())).double()  # [T, H]
+    out = torch.zeros((x.shape[0], x.shape[1]), dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            s = int(expert_slot[int(topk_ids[t, j])])
+            g = (xs[t] @ gate[s].dequantize(torch.float32).double().t()).float()  # [F]
+            u = (xs[t] @ up[s].dequantize(torch.float32).double().t()).float()
+            h = dequantize_q8(quantize_q8_ref((g * torch.sigmoid(g) * u)[None])).double()[0]
+            y = h @ down[s].dequantize(torch.float32).double().t()  # [H]
+            out[t] += float(topk_weights[t, j]) * y
+    return out.float()
+
+
+def mmvq_counters(assignments: int, f: int, device: torch.device | str) -> torch.Tensor:
+    """The arrival counters of the "mmvq" gate/up split (`MoeMmvqConfig.up_split` > 1): int32
+    [assignments * F / 32], zero. Every launch leaves them at zero, so one buffer serves every
+    launch of up to `assignments` pairs in stream order (launches that may run concurrently
+    need one each)."""
+    return torch.zeros(assignments * (f // 32), dtype=torch.int32, device=device)
+
+
+def _divisor_at_most(n: int, most: int) -> int:
+    return max(c for c in range(1, min(n, most) + 1) if n % c == 0)
+
+
+def fused_moe_mmvq(
+    x: torch.Tensor,
+    xa: Q8Act | None,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    down: QTensor,
+    expert_slot: torch.Tensor | None,
+    expert_addr: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: MoeMmvqConfig,
+    counters: torch.Tensor | None,
+) -> torch.Tensor:
+    """The "mmvq" path of `moe.fused_moe` (the other arguments checked there; `xa` and
+    `counters` here) -> out: three launches (x's quantization unless `xa` is given, gate/up,
+    down)."""
+    if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+        raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    f = gate.shape[1]
+    a = t * k
+    if xa is None:
+        xa = quantize_q8(x)  # [T, H] -> q8 blocks
+    elif (
+        xa.rows != t
+        or xa.k != h
+        or xa.d.shape != (t, h // 32)
+        or xa.s.shape != xa.d.shape
+        or xa.s.stride(0) != xa.d.stride(0)
+        or any(v.stride(-1) != 1 or v.device != x.device for v in xa)
+    ):
+        raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
+    split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
+    hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
+    hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
+    hs = torch.empty_like(hd)
+    part = count = hd  # unused pointers without a split
+    if split > 1:
+        part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = mmvq_counters(a, f, x.device)
+        elif (
+            counters.dtype != torch.int32
+            or counters.numel() < a * (f // 32)
+            or not counters.is_contiguous()
+            or counters.device != x.device
+        ):
+            raise ValueError(f"counters must be contiguous int32 of {a * (f // 32)}+ on x's device")
+        count = counters
+    use_addr = expert_addr is not None
+    addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
+    n_addr = expert_addr.shape[1] if use_addr else 0
+    slot = expert_slot if expert_slot is not None else topk_ids  # likewise
+    asm = use_asm(x.device)
+    strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
+    _gate_up_mmvq_kernel[(a, f // 32, split)](
+        xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
+        n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
+        F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+        G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
+        FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm, num_warps=cfg.up_warps,
+    )  # fmt: skip
+    chunk = _divisor_at_most(k, cfg.down_experts)
+    _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
+        hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr,
+        n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
+        QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
+        G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk,
+        TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
+        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps,
+    )  # fmt: skip
+    return out
