@@ -174,6 +174,22 @@ def k_scale_min_words(w1, w2, w3, s):
 
 
 @triton.jit
+def q4_k_nibbles(blk, c, w, ok, Q5: tl.constexpr):
+    """(low, high) int32 words of 4 quants each (0..15, Q5_K: 0..31) of word w of 32-byte qs run
+    c of the Q4_K (Q5_K when Q5) blocks at byte pointers `blk` (0 where not `ok`): low nibbles
+    are sub-block 2c (k = 64c + 4w + i), high nibbles sub-block 2c + 1."""
+    QS: tl.constexpr = 48 if Q5 else 16
+    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=ok, other=0)
+    lo = qs & 0x0F0F0F0F
+    hi = (qs >> 4) & 0x0F0F0F0F
+    if Q5:
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=ok, other=0)
+        lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
+        hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+    return lo, hi
+
+
+@triton.jit
 def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.constexpr):
     """Add Q4_K (Q5_K when Q5) runs to acc [MB, BN, R, 8]. Along R, element r is group sb[r],
     32-byte run c[r] (0..3) of qs, where ok[r]; word w of a run: low nibbles sub-block 2c
@@ -184,18 +200,11 @@ def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.co
     a smaller tile would be moved there through shared memory behind a barrier, and the
     barriers would serialise the loads (seen in the sm_90 SASS)."""
     BLK: tl.constexpr = 176 if Q5 else 144
-    QS: tl.constexpr = 48 if Q5 else 16
     z = tl.zeros(acc.shape, tl.int32)
     w = tl.arange(0, 8)[None, None, None, :] + z
     okf = ok & (w >= 0)  # [MB, BN, R, 8]
     blk = rows + sb * BLK + z  # [MB, BN, R, 8]
-    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=okf, other=0)
-    lo = qs & 0x0F0F0F0F
-    hi = (qs >> 4) & 0x0F0F0F0F
-    if Q5:
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=okf, other=0)
-        lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
-        hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+    lo, hi = q4_k_nibbles(blk, c, w, okf, Q5)
     xw = xq + sb * 64 + 16 * c + w  # [MB, BN, R, 8]
     f0 = i2f(dp4a(lo, tl.load(xw, mask=okf, other=0), z, ASM))
     f1 = i2f(dp4a(hi, tl.load(xw + 8, mask=okf, other=0), z, ASM))

@@ -31,6 +31,7 @@ from moestream.kernels.mmvq import (
     f16_at,
     i2f,
     k_scale_min_words,
+    q4_k_nibbles,
     tree_sum,
     use_asm,
     word16,
@@ -57,17 +58,10 @@ def _once_q4_k(rows, sb, c, ok, h, j, xa, xb, xd0, xd1, xs0, xs1, Q5: tl.constex
     [R, 2, MB, 4] the activation words of the low and high nibbles; xd*, xs* [R, 2, MB, 1] the
     scales of activation blocks 2c and 2c + 1. The min term goes to half 0."""
     BLK: tl.constexpr = 176 if Q5 else 144
-    QS: tl.constexpr = 48 if Q5 else 16
     w = 4 * h + j  # [1, 1, 2, 4]
     okw = ok & (w >= 0)  # [R, 2, 1, 4]
     blk = rows + sb * BLK  # [R, 1, 1, 1]
-    qs = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + 8 * c + w, mask=okw, other=0)
-    lo = qs & 0x0F0F0F0F
-    hi = (qs >> 4) & 0x0F0F0F0F
-    if Q5:
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + w, mask=okw, other=0)
-        lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
-        hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+    lo, hi = q4_k_nibbles(blk, c, w, okw, Q5)
     z = tl.zeros(xa.shape, tl.int32)
     s0 = tl.sum(dp4a(lo, xa, z, ASM), axis=3)[:, :, :, None]  # [R, 2, MB, 1], |s| < 2^17
     s1 = tl.sum(dp4a(hi, xb, z, ASM), axis=3)[:, :, :, None]

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
 from moestream.kernels.mmvq import (
     MMVQ_QTYPES,
     Q8Act,
@@ -194,12 +195,8 @@ def _gate_up_mmvq_kernel(
         a64 = a.to(tl.int64)
         tl.store(part_ptr + ((2 * s) * A + a64) * F + cols, g)
         tl.store(part_ptr + ((2 * s + 1) * A + a64) * F + cols, u)
-        # Every thread's partials stored before the release below (the "last block" pattern).
-        tl.debug_barrier()
-        counter = count_ptr + a64 * (F // 32) + blk
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:  # the block's last program: every split's sums are out
-            tl.store(counter, 0)  # ready for the next launch (and CUDA-graph replays)
+        # the block's last program: every split's sums are out
+        if last_to_arrive(count_ptr + a64 * (F // 32) + blk, SPLIT):
             g = tl.zeros([1, 32], tl.float32)
             u = tl.zeros([1, 32], tl.float32)
             for j in tl.static_range(SPLIT):  # split order: the same bits whoever arrives last
@@ -345,7 +342,7 @@ def mmvq_counters(assignments: int, f: int, device: torch.device | str) -> torch
     [assignments * F / 32], zero. Every launch leaves them at zero, so one buffer serves every
     launch of up to `assignments` pairs in stream order (launches that may run concurrently
     need one each)."""
-    return torch.zeros(assignments * (f // 32), dtype=torch.int32, device=device)
+    return arrival_counters(assignments * (f // 32), device)
 
 
 def _divisor_at_most(n: int, most: int) -> int:
@@ -395,13 +392,7 @@ def fused_moe_mmvq(
         part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
         if counters is None:
             counters = mmvq_counters(a, f, x.device)
-        elif (
-            counters.dtype != torch.int32
-            or counters.numel() < a * (f // 32)
-            or not counters.is_contiguous()
-            or counters.device != x.device
-        ):
-            raise ValueError(f"counters must be contiguous int32 of {a * (f // 32)}+ on x's device")
+        check_counters(counters, a * (f // 32), x.device)
         count = counters
     use_addr = expert_addr is not None
     addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise

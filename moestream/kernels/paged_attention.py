@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.arrival import check_counters, last_to_arrive
+
 BLOCK_N = 64  # context tokens per tile (one tl.dot per tile)
 NUM_SPLITS = 16  # the least number of context splits per (sequence, KV head)
 NUM_STAGES = 5  # software-pipeline stages of the tile loop on CUDA
@@ -233,12 +235,9 @@ def _decode_split_kernel(
         tl.store(lse_ptr + row, lse, mask=r_ok)
         used = r_ok & (l_i > 0)  # an empty split's partial is never read
         tl.store(part_ptr + row[:, None] * D + d[None, :], o, mask=used[:, None] & d_ok[None, :])
-        if MERGE == 2:
-            tl.debug_barrier()  # every thread's partial is stored before the counter moves
-            counter = counter_ptr + b * tl.num_programs(1) + kvh
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last of this (b, kvh): all partials are in
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        if MERGE == 2:  # noqa: SIM102 (constexpr: no atomic in the other variants)
+            # the last split of this (b, kvh) to arrive merges them all
+            if last_to_arrive(counter_ptr + b * tl.num_programs(1) + kvh, num_splits):
                 merge_splits(
                     part_ptr, lse_ptr, out_ptr, b, kvh * REP, n_used, num_splits, stride_ob,
                     stride_oh, N_HEADS, REP, REP_PAD, D, D_PAD, S_PAD, CHUNK, WHILE_LOOP,
@@ -333,13 +332,8 @@ def paged_decode_attention(
         raise ValueError(f"out must be [{b}, {n}, {d}] with unit last stride")
     if num_splits < 1 or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"num_splits {num_splits} < 1 or block_n {block_n} not a power of 2")
-    if counters is not None and (
-        counters.dtype != torch.int32
-        or not counters.is_contiguous()
-        or counters.numel() < b * g
-        or counters.device != q.device
-    ):
-        raise ValueError(f"counters must be a contiguous int32 tensor of >= {b * g} on {q.device}")
+    if counters is not None:
+        check_counters(counters, b * g, q.device)
     if b == 0:
         return out
     d_pad = triton.next_power_of_2(d)

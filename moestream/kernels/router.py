@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
+
 # Tokens up to which `layers.moe.route` takes `fused_route` (the counter buffer's length); above,
 # a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
 ROUTER_MAX_T = 64
@@ -93,11 +95,7 @@ def _fused_route_kernel(
                      mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         acc += wv * xv[None, :]
     tl.store(logits_ptr + t * E + e, tl.sum(acc, axis=1), mask=e_ok)  # [BLOCK_E]
-    # Every thread's logits stored before the release below (the "last block" pattern).
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(1) - 1:  # the token's last program: all its logits are out
-        tl.store(count_ptr + t, 0)  # ready for the next launch (and CUDA-graph replays)
+    if last_to_arrive(count_ptr + t, tl.num_programs(1)):  # all the token's logits are out
         ee = tl.arange(0, E_PAD)
         ok = ee < E
         x = tl.load(logits_ptr + t * E + ee, mask=ok, other=float("-inf"), cache_modifier=".cg")
@@ -141,7 +139,7 @@ def route_counters(device: torch.device | str) -> torch.Tensor:
     """The per-token arrival counters `fused_route` needs: int32 [ROUTER_MAX_T], zero. Every
     launch leaves them at zero, so one buffer serves every launch in stream order (a layer
     keeps one; launches that may run concurrently need one each)."""
-    return torch.zeros(ROUTER_MAX_T, dtype=torch.int32, device=device)
+    return arrival_counters(ROUTER_MAX_T, device)
 
 
 def router_tiles(e: int, h: int) -> tuple[int, int]:
@@ -178,8 +176,7 @@ def fused_route(
     _check_top_k(top_k, e)
     if counters is None:
         counters = route_counters(x.device)
-    if counters.dtype != torch.int32 or counters.dim() != 1 or counters.shape[0] < t:
-        raise ValueError(f"counters must be int32 [>= {t}], got {counters.dtype} {counters.shape}")
+    check_counters(counters, t, x.device)
     weights, ids = _outputs(t, top_k, x.device)
     if t == 0:
         return weights, ids
