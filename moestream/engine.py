@@ -105,7 +105,6 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
         self._speculator = speculator
-        self.runner.run_ahead = True  # see `step`: off while drafts are being proposed
         self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
@@ -214,7 +213,6 @@ class Engine:
         if self._speculator is not None and self._speculator is not speculator:
             self._speculator.release_all()  # its requests' end would reach the next one only
         self._speculator = speculator
-        self.runner.run_ahead = True
 
     def build_speculator(
         self, spec: SpecConfig | None, draft_num_blocks: int | None = None
