@@ -37,6 +37,42 @@ synth() {
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', 'Q4_K_M', '/tmp/$2.gguf', progress=False)"
 }
+# The runs the parts share (each part names what it runs).
+q30() {  # q30 [EXTRA ARGS...]: the 30B's prefill, decode at depths, concurrency
+  bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+    --decode-depths 0,4096,32768 --decode-tokens 64 --repeats 3 --concurrency 1,2,4,8,16,32 \
+    --concurrency-prompt 128 "$@"
+}
+q8() {
+  bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
+    --decode-depths 0,32768 --decode-tokens 64 --repeats 3
+}
+prefix() {
+  bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
+    --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
+}
+q30wc() {  # q30wc SECONDS CONCURRENCY: bf16 copies of all weights but the head (~58 GiB)
+  bench q30wc "$1" /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
+    --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
+    --concurrency "$2" --concurrency-prompt 128 --prefix-reuse 32768:31744
+}
+spec() {  # spec SECONDS ROUNDS: the tiny pair's speculation, then under batch-invariant kernels
+  timeout "$1" python3 bench/spec_figures.py --device cuda --rounds "$2" --prompts 2 \
+    --tokens 128 --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
+  # no divergence expected under --deterministic (exit status 1 otherwise)
+  timeout "$1" python3 bench/spec_figures.py --device cuda --deterministic --rounds 1 \
+    --prompts 2 --tokens 128 2> /dev/null | tail -20; echo "[spec deterministic rc=$?]"
+}
+host_time() {  # host_time SECONDS BATCHES: host (Python) time per decode step (issue #4 item 4)
+  timeout "$1" python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches "$2" \
+    --steps 50 > "$out/host_overhead.txt" 2>&1
+  echo "[host_overhead rc=$?]"; head -60 "$out/host_overhead.txt"
+}
+profile_b() {  # profile_b BATCH: top kernels of a 512-token prefill and of decode steps
+  timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
+    --batch "$1" --decode-tokens 16 --rows 40 > "$out/profile_b$1.txt" 2>&1
+  echo "[profile b=$1 rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$1.txt" | head -90
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
@@ -46,27 +82,16 @@ case $part in
     python3 bench/kernels_gpu.py --only mmvq,moe,dequant,cached 2>&1 | tee "$out/kernels.log" | tail -40
     timeout 120 python3 bench/mmq_gpu.py 2>&1 | tee "$out/mmq.log" | tail -18
     python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 --json "$out/greedy.json" | tail -12
-    timeout 150 python3 bench/spec_figures.py --device cuda --rounds 2 --prompts 2 --tokens 128 \
-      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
-    # the same under batch-invariant kernels: no divergence expected (exit status 1 otherwise)
-    timeout 150 python3 bench/spec_figures.py --device cuda --deterministic --rounds 1 \
-      --prompts 2 --tokens 128 2> /dev/null | tail -20; echo "[spec deterministic rc=$?]"
+    spec 150 2
     ;;
   models)
     synth qwen3-30b-a3b q30; synth qwen3-8b q8
-    bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
-      --decode-depths 0,4096,32768 --decode-tokens 64 --repeats 3 --concurrency 1,2,4,8,16,32 \
-      --concurrency-prompt 128 --verify-curve 1,2,4,8,16 --verify-batches 1,4,16
+    q30 --verify-curve 1,2,4,8,16 --verify-batches 1,4,16
     bench q30det 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0 --decode-tokens 64 --repeats 3 --concurrency 8,32 --deterministic
-    bench q8 90 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
-      --decode-depths 0,32768 --decode-tokens 64 --repeats 3
-    bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
-      --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
-    # bf16 copies of all weights but the head (~58 GiB for the 30B): prefill without dequantizing
-    bench q30wc 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
-      --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
-      --concurrency 1,8,16,32 --concurrency-prompt 128 --prefix-reuse 32768:31744
+    q8
+    prefix
+    q30wc 150 1,8,16,32
     ;;
   experts)
     synth qwen3-30b-a3b q30
@@ -82,21 +107,15 @@ case $part in
     ;;
   profile)
     synth qwen3-30b-a3b q30
-    # issue #4 item 4: host (Python) time per decode step against the step, batch 1 / 8 / 32
-    timeout 200 python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches 1,8,32 \
-      --steps 50 > "$out/host_overhead.txt" 2>&1
-    echo "[host_overhead rc=$?]"; head -60 "$out/host_overhead.txt"
-    for b in 1 8 32; do
-      timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
-        --batch "$b" --decode-tokens 16 --rows 40 > "$out/profile_b$b.txt" 2>&1
-      echo "[profile b=$b rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$b.txt" | head -90
-    done
+    host_time 200 1,8,32
+    for b in 1 8 32; do profile_b "$b"; done
     ;;
   tune)
     # launch shapes: one run picks the defaults (bench/RESULTS.md)
     timeout 130 python3 -m pytest tests/kernels/test_moe_kernel.py tests/kernels/test_mmvq.py \
       tests/kernels/test_paged_attention.py tests/kernels/test_router.py \
-      tests/kernels/test_norm_rope.py tests/layers/test_q8_fusion.py -q -p no:cacheprovider -x -rf 2>&1 | tail -6
+      tests/kernels/test_norm_rope.py tests/layers/test_q8_fusion.py -q -p no:cacheprovider -x \
+      -rf 2>&1 | tail -6 | tee "$out/pytest.txt"
     timeout 230 python3 bench/kernels_gpu.py --sweep-moe 2>&1 | tee "$out/sweep_moe.log" | tail -40
     timeout 100 python3 bench/mmvq_sweep.py 2>&1 | tee "$out/sweep_mmvq.log" | tail -40
     timeout 100 python3 bench/attention_gpu.py --quick 2>&1 | tee "$out/attention.log" | tail -40
@@ -104,37 +123,15 @@ case $part in
   host)
     timeout 120 python3 bench/mmq_gpu.py --switch 2>&1 | tee "$out/switch.log" | tail -40
     synth qwen3-30b-a3b q30
-    timeout 120 python3 bench/host_overhead.py /tmp/q30.gguf --device cuda --batches 1,8 \
-      --steps 50 > "$out/host_overhead.txt" 2>&1
-    echo "[host_overhead rc=$?]"; head -8 "$out/host_overhead.txt"
-    timeout 120 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill 512 \
-      --batch 1 --decode-tokens 16 --rows 40 > "$out/profile_b1.txt" 2>&1
-    echo "[profile b=1 rc=$?]"; sed -n '/## decode/,$p' "$out/profile_b1.txt" | cut -c1-60,160-240 | head -45
+    host_time 120 1,8
+    profile_b 1
     ;;
-  q8)
-    synth qwen3-8b q8
-    bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
-      --decode-depths 0,32768 --decode-tokens 64 --repeats 3
-    ;;
-  q30)
-    synth qwen3-30b-a3b q30
-    bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
-      --decode-depths 0,4096,32768 --decode-tokens 64 --repeats 3 --concurrency 1,2,4,8,16,32 \
-      --concurrency-prompt 128
-    bench prefix 120 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
-      --decode-depths 0 --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744
-    ;;
+  q8) synth qwen3-8b q8; q8 ;;
+  q30) synth qwen3-30b-a3b q30; q30; prefix ;;
   final)
-    # the tiny pair's speculation on the GPU (plain, under --deterministic), then the 30B with
-    # bf16 weight copies (--weight-cache-gib): prefill, batched decode, prefix reuse
-    timeout 100 python3 bench/spec_figures.py --device cuda --rounds 1 --prompts 2 --tokens 128 \
-      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -16
-    timeout 100 python3 bench/spec_figures.py --device cuda --deterministic --rounds 1 \
-      --prompts 2 --tokens 128 2> /dev/null | tail -12; echo "[spec deterministic rc=$?]"
+    spec 100 1
     synth qwen3-30b-a3b q30
-    bench q30wc 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --weight-cache-gib 64 \
-      --prompt-lens 512,4096 --decode-depths 0 --decode-tokens 32 --repeats 3 \
-      --concurrency 1,16,32 --concurrency-prompt 128 --prefix-reuse 32768:31744
+    q30wc 280 1,16,32
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
