@@ -1,7 +1,8 @@
 """Where a step's time goes: the kernels of one prefill and of a few decode steps, by device time.
 
-    python bench/profile_steps.py MODEL.gguf [--device cuda] [--prefill 512] [--batch 8]
+    python bench/profile_steps.py MODEL.gguf [--device cuda] [--prefill 512,2048] [--batch 8]
                                   [--decode-tokens 8] [--rows 25] [--kv-cache-gib 8]
+                                  [--weight-cache-gib 0]
 
 Runs a warm-up of each case first (kernel compilation, autotuning, CUDA graph capture), then
 profiles it with `torch.profiler` and prints the top kernels by self device time (CPU time on a
@@ -23,9 +24,18 @@ from moestream.llm import LLM
 from moestream.types import SamplingParams
 
 
-def profiled(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str, rows: int) -> str:
+def profiled(
+    llm: LLM,
+    warmup: list[list[int]],
+    prompts: list[list[int]],
+    max_tokens: int,
+    device: str,
+    rows: int,
+) -> str:
+    """Profile `prompts` after a warm-up on `warmup` (prompts of the same lengths but other
+    tokens: the same prompts would hit the prefix cache and skip the prefill)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params)  # warm-up: compile, tune, capture
+    llm.generate(warmup, params)  # warm-up: compile, tune, capture
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -34,8 +44,15 @@ def profiled(llm: LLM, prompts: list[list[int]], max_tokens: int, device: str, r
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=rows)
-    return f"wall {wall * 1e3:.1f} ms\n{table}"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=key, row_limit=rows)
+    head = f"wall {wall * 1e3:.1f} ms"
+    if device == "cuda":
+        # device time of the kernels (no two run at once here): the rest of the wall time is
+        # the GPU waiting for the host
+        busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA")
+        head += f", kernels {busy / 1e3:.1f} ms ({100 * busy / 1e3 / (wall * 1e3):.0f}% busy)"
+    return f"{head}\n{table}"
 
 
 def tuned_configs() -> list[str]:
@@ -50,24 +67,34 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", help="GGUF file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill case")
+    p.add_argument(
+        "--prefill", default="512", help="prompt tokens of the prefill cases (comma-separated)"
+    )
     p.add_argument("--batch", type=int, default=8, help="requests of the decode case")
     p.add_argument("--decode-tokens", type=int, default=8, help="tokens per request (decode)")
     p.add_argument("--rows", type=int, default=25, help="kernels listed per case")
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
+    p.add_argument("--weight-cache-gib", type=float, default=0.0)
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        kv_cache_gib=args.kv_cache_gib,
+        weight_cache_gib=args.weight_cache_gib,
+    )
     vocab = llm.engine.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
 
     def prompt(n: int) -> list[int]:
         return torch.randint(100, min(vocab, 30000), (n,), generator=gen).tolist()
 
-    print(f"## prefill, {args.prefill} tokens (one token generated)")
-    print(profiled(llm, [prompt(args.prefill)], 1, args.device, args.rows))
-    print(f"## decode, {args.batch} requests x {args.decode_tokens} tokens (16-token prompts)")
-    batch = [prompt(16) for _ in range(args.batch)]
-    print(profiled(llm, batch, args.decode_tokens, args.device, args.rows))
+    for n in (int(v) for v in args.prefill.split(",") if v):
+        print(f"## prefill, {n} tokens (one token generated)")
+        print(profiled(llm, [prompt(n)], [prompt(n)], 1, args.device, args.rows))
+    if args.batch > 0:
+        print(f"## decode, {args.batch} requests x {args.decode_tokens} tokens (16-token prompts)")
+        warm, batch = ([prompt(16) for _ in range(args.batch)] for _ in range(2))
+        print(profiled(llm, warm, batch, args.decode_tokens, args.device, args.rows))
     if args.device == "cuda":
         print("## dequantizing kernel: autotuned launch shapes")
         print("\n".join(tuned_configs()) or "(none used)")

@@ -16,10 +16,13 @@
 #   bench/scripts/gpu_figures.sh q8|q30  the models part's 8B run / 30B runs without verify curve
 #   bench/scripts/gpu_figures.sh final   tiny-pair speculation (also --deterministic); 30B with
 #                                        bf16 weight copies
+#   bench/scripts/gpu_figures.sh diag    every kernel test; MoE path switch points; 30B prefill
+#                                        profiles at 512 and 2048 tokens, with and without the
+#                                        bf16 weight copies
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|diag|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -125,6 +128,19 @@ case $part in
     synth qwen3-30b-a3b q30
     host_time 120 1,8
     profile_b 1
+    ;;
+  diag)
+    # every kernel test on the GPU; the MoE path switch points; where a prefill's time goes
+    timeout 240 python3 -m pytest tests/kernels -q -p no:cacheprovider -rf 2>&1 | tail -8 \
+      | tee "$out/pytest_kernels.txt"
+    timeout 100 python3 bench/mmq_gpu.py --switch 2>&1 | tee "$out/switch.log" | tail -30
+    synth qwen3-30b-a3b q30
+    for wc in 0 64; do
+      timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --batch 0 \
+        --prefill 512,2048 --rows 30 --weight-cache-gib $wc > "$out/profile_prefill_wc$wc.txt" 2>&1
+      echo "[profile prefill wc=$wc rc=$?]"
+      grep "^## \|^wall" "$out/profile_prefill_wc$wc.txt"
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
