@@ -55,6 +55,31 @@ def profiled(
     return f"{head}\n{table}"
 
 
+def host_profile(llm: LLM, n: int, prompt, device: str, rows: int) -> str:
+    """The host side of one prefill of n tokens under cProfile (after a warm-up on another
+    prompt): wall time, then functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt(n)], params)
+    ids = [prompt(n)]
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    llm.generate(ids, params)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - start
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return f"wall {wall * 1e3:.1f} ms (under cProfile)\n{buf.getvalue()}"
+
+
 def tuned_configs() -> list[str]:
     """The dequantizing kernel's autotuner choices in this process (CUDA only)."""
     from moestream.kernels.dequant_mm import _tuned_kernel
@@ -75,6 +100,9 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=25, help="kernels listed per case")
     p.add_argument("--kv-cache-gib", type=float, default=8.0)
     p.add_argument("--weight-cache-gib", type=float, default=0.0)
+    p.add_argument(
+        "--cprofile", type=int, default=0, help="also profile the host of a prefill of N tokens"
+    )
     args = p.parse_args()
     llm = LLM(
         args.model,
@@ -91,6 +119,9 @@ def main() -> int:
     for n in (int(v) for v in args.prefill.split(",") if v):
         print(f"## prefill, {n} tokens (one token generated)")
         print(profiled(llm, [prompt(n)], [prompt(n)], 1, args.device, args.rows))
+    if args.cprofile:
+        print(f"## host (cProfile), prefill of {args.cprofile} tokens")
+        print(host_profile(llm, args.cprofile, prompt, args.device, args.rows))
     if args.batch > 0:
         print(f"## decode, {args.batch} requests x {args.decode_tokens} tokens (16-token prompts)")
         warm, batch = ([prompt(16) for _ in range(args.batch)] for _ in range(2))
