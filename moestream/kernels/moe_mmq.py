@@ -1,5 +1,5 @@
 """The fused MoE FFN on the int8 tensor cores (the "mmq" path of `moe.fused_moe`): token-expert
-pairs grouped by expert (`moe.align_assignments`, on the device), blocks of BLOCK_M pairs of one
+pairs grouped by expert (`moe_align.align_blocks`, on the device), blocks of BLOCK_M pairs of one
 expert per program, so an expert's weights are read once per block instead of once per pair;
 each block's gate/up and down are `mmq.mmq_tile`s (int8 `tl.dot` per block of 32 values, scales
 in float32). Numerics are the "mmvq" path's (x and h rounded to q8 blocks): its reference
@@ -17,6 +17,7 @@ import triton.language as tl
 
 from moestream.kernels.mmq import MMQ_QTYPES, MmqConfig, _check_config, mmq_tile, warps_for
 from moestream.kernels.mmvq import quantize_q8, use_asm
+from moestream.kernels.moe_align import align_blocks
 from moestream.weights.qtensor import QTensor
 
 
@@ -100,11 +101,11 @@ def moe_mmq(
     routed expert to a slot, not checked on the device).
 
     Four launches after `quantize_q8(x)`: assignments grouped by expert on the device
-    (`moe.align_assignments`, no sync); gate and up per (block of BLOCK_M assignments of one
+    (`moe_align.align_blocks`, no sync); gate and up per (block of BLOCK_M assignments of one
     expert, BLOCK_N rows of F), SiLU fused, h [A, F] float32; `quantize_q8(h)`; down per
     (block, BLOCK_N rows of H), scaled by the routing weight into y [A, H] float32; the k rows
     of each token summed in selection order (deterministic, no atomics)."""
-    from moestream.kernels.moe import align_assignments, check_moe_args
+    from moestream.kernels.moe import check_moe_args
 
     if expert_slot is None:
         raise ValueError("moe_mmq needs expert_slot")
@@ -126,7 +127,7 @@ def moe_mmq(
     cfg = config or moe_mmq_config(a, num_experts)
     _check_config(cfg)
     asm = use_asm(x.device)
-    sorted_ids, block_expert = align_assignments(topk_ids, num_experts, cfg.block_m)
+    sorted_ids, block_expert = align_blocks(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]
     xa = quantize_q8(x)  # [T, H] -> q8 blocks
     hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]
