@@ -16,9 +16,11 @@ kernels.
 Numerics: the weight is rounded to x's dtype, then multiplied with float32 accumulation: the
 contract of `ops.quant_matmul_ref` and of the other kernel paths.
 
-- `dequantize_rows`: a Triton kernel; one program per (block of rows, 256-value group, expert),
-  rows found through an expert -> slot table (the tiers' device table), experts without tokens
-  skipped on the device (no host sync); its launch shape tuned once per shape on the GPU.
+- `dequantize_rows`: a Triton kernel; one program per (block of rows, block of 256-value
+  groups, expert), rows found through an expert -> slot table (the tiers' device table), experts
+  without tokens skipped on the device (no host sync). Values are made in k order, 8 consecutive
+  ones per thread, so each thread writes 16 bytes at once; the launch shape is fixed per type
+  (`DEQUANT_SHAPES`, from bench/dequant_sweep.py), not tuned per process.
 - `dequant_matmul`: dense y = x @ W.T, N chunked so the bf16 scratch stays under SCRATCH_BYTES.
 - `moe_dequant_grouped`: the MoE FFN for many tokens: assignments grouped by expert
   (`moe.align_assignments`), one grouped GEMM for gate and up together (their weights stacked as
@@ -32,18 +34,22 @@ E experts, S weight slots, k experts per token, A = T*k assignments.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import (
     GROUP,
     MAGIC,
     check_activation,
     check_weight,
+    dequant_groups,
     dequant_superblock,
+    group_k_offsets,
     plane_k_offsets,
 )
 from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES as SCRATCH_BYTES
@@ -51,43 +57,97 @@ from moestream.weights.qtensor import QTensor
 
 BLOCK_R = 32  # weight rows per dequantizing program on the CPU (the interpreter); and the
 # multiple the dense path's chunks are rounded to
-# Launch shapes tried once per (type, rows, K) on a CUDA device, the fastest kept for the process
-# (Triton's autotuner): rows per program, 256-value groups per program (a loop: loads of the
-# next group in flight while this one is stored), warps. The register count per thread (sm_90
-# build: 24-168) and the shared-memory layout changes trade off differently per type. Each
-# config is a compile at first use (seconds): the list is kept short, no spilling shapes.
-TUNE_CONFIGS = ((8, 1, 4), (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 8), (32, 2, 8))
 ALIGN_M = 16  # rows per expert group padded to this (TMA-friendly group starts)
+
+
+@dataclass(frozen=True)
+class DequantShape:
+    """Launch shape of `_dequant_kernel`: a program writes `block_r` rows x `groups` 256-value
+    groups (all their loads in flight at once) with `warps` warps; `stream` marks the stores
+    evict-first (`.cs`: the output is read back once, by the GEMM); `planes` selects the older
+    per-plane store order (kept as the baseline of bench/dequant_sweep.py)."""
+
+    block_r: int
+    groups: int
+    warps: int
+    stream: bool = False
+    planes: bool = False
+
+
+# Fixed launch shape per (type, K), else per (type, None): the rows of bench/dequant_sweep.py's
+# table (H200). A fixed shape replaces per-process autotuning, whose pick depended on the first
+# call's timing. Until the sweep has run on the H200: one best guess for all (64 values per
+# thread, 32-63 registers in the sm_90 build, no spills, no shared memory). Groups need not
+# divide a row's (K = 768 has 3): the last block is masked.
+T = GGMLQuantizationType
+DEQUANT_SHAPES: dict[tuple[GGMLQuantizationType, int | None], DequantShape] = {
+    (qtype, None): DequantShape(block_r=16, groups=2, warps=4, stream=True)
+    for qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
+}
+# Byte alignment of the scale words `dequant_groups` reads as int32 (int16: 2, the float16 fields'
+# alignment, which every path needs).
+WORD_ALIGN = {T.Q4_K: 4, T.Q5_K: 4, T.Q2_K: 4}
+# The older kernel's autotuned candidates (rows, groups, warps): `_tuned_kernel` (opt-in).
+TUNE_CONFIGS = ((8, 1, 4), (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 8), (32, 2, 8))
 
 
 @triton.jit
 def _dequant_kernel(
     w_ptr, slot_ptr, count_ptr, out_ptr, R, K, stride_we, stride_wr, stride_oe, stride_or, magic,
     QTYPE: tl.constexpr, BLOCK_R: tl.constexpr, GROUPS: tl.constexpr, HAS_SLOT: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
+    HAS_COUNT: tl.constexpr, STREAM: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
-    # K (the row length) keys the autotuner; this program does groups pid_g * GROUPS + 0 .. GROUPS-1
-    pid_r = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    e = tl.program_id(2)
+    # grid (row blocks x group blocks, experts), group blocks fastest: neighbouring programs
+    # read neighbouring bytes of a row (the 32-byte sectors that two groups share come from L2)
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    src = e
+    if HAS_SLOT:  # loaded before the count so that the two loads overlap
+        src = tl.load(slot_ptr + e)
     if HAS_COUNT:  # noqa: SIM102 (a constexpr test, then a loaded one)
         if tl.load(count_ptr + e) == 0:  # an expert no token chose: its rows are never read
             return
-    src = e
-    if HAS_SLOT:
-        src = tl.load(slot_ptr + e)
+    groups = K // 256
+    blocks_k = tl.cdiv(groups, GROUPS)
+    pid_r = pid // blocks_k
+    pid_g = pid % blocks_k
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     rc = tl.minimum(r, R - 1).to(tl.int64)
     rows = w_ptr + src.to(tl.int64) * stride_we + rc * stride_wr  # [BR] uint8 pointers
-    k0 = plane_k_offsets(0, QTYPE)[None, :, :]  # [1, NG, G]
-    k1 = plane_k_offsets(1, QTYPE)[None, :, :]
-    dst = out_ptr + e.to(tl.int64) * stride_oe + r[:, None, None].to(tl.int64) * stride_or
-    ok = (r < R)[:, None, None]
-    for i in range(GROUPS):
-        sb = pid_g * GROUPS + i
-        w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BR, NG, G] float32 each
-        tl.store(dst + sb * 256 + k0, w0.to(out_ptr.dtype.element_ty), mask=ok)
-        tl.store(dst + sb * 256 + k1, w1.to(out_ptr.dtype.element_ty), mask=ok)
+    dst = out_ptr + e.to(tl.int64) * stride_oe + r.to(tl.int64) * stride_or  # [BR]
+    ty = out_ptr.dtype.element_ty
+    if PLANES:
+        k0 = plane_k_offsets(0, QTYPE)[None, :, :]  # [1, NG, G]
+        k1 = plane_k_offsets(1, QTYPE)[None, :, :]
+        ok = (r < R)[:, None, None]
+        for i in range(GROUPS):
+            sb = pid_g * GROUPS + i
+            if sb < groups:
+                w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BR, NG, G] float32 each
+                d = dst[:, None, None] + sb * 256
+                _store(d + k0, w0.to(ty), ok, STREAM)
+                _store(d + k1, w1.to(ty), ok, STREAM)
+    else:
+        # the last block of groups may run past the row: its loads repeat the last group and
+        # its stores are masked
+        sb = pid_g * GROUPS + tl.arange(0, GROUPS)  # [GS]
+        values = dequant_groups(rows, tl.minimum(sb, groups - 1), magic, QTYPE)  # [BR, GS, NS, SUB]
+        k = sb[:, None, None] * 256 + group_k_offsets(QTYPE)[None, :, :]  # [GS, NS, SUB]
+        ok = (r < R)[:, None, None, None] & (sb < groups)[None, :, None, None]
+        _store(dst[:, None, None, None] + k[None], values.to(ty), ok, STREAM)
+
+
+@triton.jit
+def _store(ptr, value, mask, STREAM: tl.constexpr):
+    if STREAM:
+        tl.store(ptr, value, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr, value, mask=mask)
+
+
+def launch_shape(qtype: GGMLQuantizationType, k: int) -> DequantShape:
+    """The fixed launch shape of `_dequant_kernel` for rows of k values of `qtype` on CUDA."""
+    return DEQUANT_SHAPES.get((qtype, k)) or DEQUANT_SHAPES[(qtype, None)]
 
 
 def dequantize_rows(
@@ -96,6 +156,7 @@ def dequantize_rows(
     expert_slot: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     row_start: int = 0,
+    shape: DequantShape | None = None,
 ) -> torch.Tensor:
     """Dequantize into `out` on w's device.
 
@@ -103,7 +164,9 @@ def dequantize_rows(
     expert stack): out [E, R, K] receives, for expert e, rows row_start .. of slot
     expert_slot[e] (slot e when the table is None); experts with counts[e] == 0 are skipped and
     their rows left as they were. `out` needs unit stride along K; it may be a strided view
-    (e.g. half of a stacked [E, 2F, H] buffer).
+    (e.g. half of a stacked [E, 2F, H] buffer). `shape` overrides the launch shape (the fixed
+    `launch_shape` on CUDA, one for the interpreter on the CPU); every shape writes the same
+    values.
     """
     check_weight(w, len(w.shape))
     k = w.shape[-1]
@@ -114,40 +177,41 @@ def dequantize_rows(
         raise ValueError(f"out {tuple(out.shape)} does not take rows of {w.shape} at {row_start}")
     if r == 0 or e == 0:
         return out
+    if shape is None:
+        shape = launch_shape(w.qtype, k) if out.is_cuda else _interpreter_shape(k)
     base = data[:, row_start:]
-    args = (
+    align = WORD_ALIGN.get(w.qtype, 2)  # k order reads int32 / int16 words (`dequant_groups`)
+    if any(v % align for v in (base.data_ptr(), data.stride(0), data.stride(1))):
+        shape = replace(shape, planes=True)
+    grid = (triton.cdiv(r, shape.block_r) * triton.cdiv(k // GROUP, shape.groups), e)
+    _dequant_kernel[grid](
         base, expert_slot if expert_slot is not None else base,
         counts if counts is not None else base, out3,
         r, k, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
+        QTYPE=int(w.qtype), BLOCK_R=shape.block_r, GROUPS=shape.groups,
+        HAS_SLOT=expert_slot is not None, HAS_COUNT=counts is not None, STREAM=shape.stream,
+        PLANES=shape.planes, num_warps=shape.warps,
     )  # fmt: skip
-    flags = {"QTYPE": int(w.qtype), "HAS_SLOT": expert_slot is not None}
-    flags["HAS_COUNT"] = counts is not None
-    groups = k // GROUP
-    if out.is_cuda:
-        tuned = _tuned_kernel()
-        grid = lambda meta: (triton.cdiv(r, meta["BLOCK_R"]), groups // meta["GROUPS"], e)  # noqa: E731
-        tuned[grid](*args, **flags)
-    else:
-        grid = (triton.cdiv(r, BLOCK_R), groups // (2 if groups % 2 == 0 else 1), e)
-        _dequant_kernel[grid](*args, BLOCK_R=BLOCK_R, GROUPS=groups // grid[1], **flags)
     return out
+
+
+def _interpreter_shape(k: int) -> DequantShape:
+    """Few, large programs: the interpreter's cost is per program, not per value."""
+    return DequantShape(BLOCK_R, 2, 4)
 
 
 @functools.cache
 def _tuned_kernel() -> triton.runtime.Autotuner:
-    """`_dequant_kernel` under Triton's autotuner, keyed by type, rows and K (made on first use:
-    the CPU interpreter never needs it). Every config writes the same values."""
-    configs = [triton.Config({"BLOCK_R": r, "GROUPS": g}, num_warps=w) for r, g, w in TUNE_CONFIGS]
+    """Opt-in (bench/dequant_sweep.py --autotune): `_dequant_kernel` under Triton's autotuner
+    over TUNE_CONFIGS in both store orders, keyed by type, rows and K, timed on the first call
+    of each key in the process. `dequantize_rows` does not use it (fixed DEQUANT_SHAPES)."""
+    configs = [
+        triton.Config({"BLOCK_R": r, "GROUPS": g, "PLANES": p}, num_warps=w)
+        for r, g, w in TUNE_CONFIGS
+        for p in (False, True)
+    ]
 
-    def dividing(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        groups = named_args["K"] // GROUP
-        kept = [c for c in configs if groups % c.kwargs["GROUPS"] == 0]
-        return kept or [triton.Config({"BLOCK_R": 16, "GROUPS": 1}, num_warps=4)]
-
-    return triton.autotune(
-        configs, key=["R", "K", "QTYPE"], prune_configs_by={"early_config_prune": dividing},
-        warmup=5, rep=20,
-    )(_dequant_kernel)  # fmt: skip
+    return triton.autotune(configs, key=["R", "K", "QTYPE"], warmup=5, rep=20)(_dequant_kernel)
 
 
 def cache_values(w: QTensor, dtype: torch.dtype) -> int:

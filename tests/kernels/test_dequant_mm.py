@@ -25,6 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from moestream.kernels import dequant_mm  # noqa: E402
 from moestream.kernels.dequant_mm import (  # noqa: E402
+    DequantShape,
     dequant_matmul,
     dequantize_rows,
     grouped_mm_available,
@@ -71,6 +72,72 @@ def test_dequantize_rows_through_slots_skips_unused_experts():
             assert torch.equal(out[e].cpu(), torch.from_numpy(values[sl].astype(np.float32)))
         else:
             assert out[e].isnan().all()
+
+
+# Launch shapes of `_dequant_kernel`: k order with 1, 2 and 4 groups per program (4 and 2 run
+# past a 3-group row: masked), streaming stores, and the older per-plane order.
+SHAPES = (
+    DequantShape(8, 2, 4),
+    DequantShape(16, 4, 4, stream=True),
+    DequantShape(4, 1, 2),
+    DequantShape(8, 2, 4, planes=True),
+)
+# The interpreter rounds float32 to bfloat16 by truncation (the GPU to nearest even, as torch):
+# bfloat16 outputs are compared on CUDA only.
+OUT_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_launch_shape_is_bit_exact(qtype, shape):
+    """Rows 3..22 of a [24, 768] weight (3 groups a row, a partial row block) in float32 (and
+    bfloat16 on CUDA) equal the reference dequantization (bfloat16: rounded from it)."""
+    raw = random_raw(qtype, (24, 768), seed=int(qtype) + 7)
+    w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (24, 768))
+    expect = w.to("cpu").dequantize()[3:23]
+    assert torch.equal(expect, torch.from_numpy(gguf_dequantize(raw, qtype)[3:23]))
+    for dtype in {torch.float32, OUT_DTYPE}:
+        out = torch.full((20, 768), float("nan"), dtype=dtype, device=DEVICE)
+        dequantize_rows(w, out, row_start=3, shape=shape)
+        assert torch.equal(out.cpu(), expect.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[3:], ids=str)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_expert_stack_into_half_of_a_stacked_buffer(qtype, shape):
+    """A 3-D stack through a slot table into the second half of an [E, 2F, H] buffer (a strided
+    view): experts with counts 0 and the other half keep their poison."""
+    s, f, k = 3, 12, 512
+    raw = random_raw(qtype, (s, f, k), seed=int(qtype) + 11)
+    w = QTensor(torch.from_numpy(raw).to(DEVICE), qtype, (s, f, k))
+    values = w.to("cpu").dequantize().to(OUT_DTYPE)  # [S, F, K]
+    slot, counts = [1, 2, 0, 2, 1], [4, 0, 1, 2, 0]
+    buf = torch.full((5, 2 * f, k), float("nan"), dtype=OUT_DTYPE, device=DEVICE)
+    dequantize_rows(
+        w, buf[:, f:], torch.tensor(slot, dtype=torch.int32, device=DEVICE),
+        torch.tensor(counts, dtype=torch.int32, device=DEVICE), shape=shape,
+    )  # fmt: skip
+    buf = buf.cpu()
+    assert buf[:, :f].isnan().all()
+    for e, (sl, c) in enumerate(zip(slot, counts, strict=True)):
+        if c:
+            assert torch.equal(buf[e, f:], values[sl]), e
+        else:
+            assert buf[e, f:].isnan().all(), e
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_unaligned_data_takes_the_plane_order(qtype):
+    """Rows at an odd-halfword address (the k order reads aligned words) still come out exact:
+    the launcher switches to the per-plane order."""
+    raw = random_raw(qtype, (8, 256), seed=3)
+    buf = torch.zeros(raw.size + 2, dtype=torch.uint8, device=DEVICE)
+    data = buf[2:].view(8, -1)
+    data.copy_(torch.from_numpy(raw))
+    w = QTensor(data, qtype, (8, 256))
+    out = torch.full((8, 256), float("nan"), device=DEVICE)
+    dequantize_rows(w, out, shape=DequantShape(8, 2, 4))
+    assert torch.equal(out.cpu(), torch.from_numpy(gguf_dequantize(raw, qtype)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
