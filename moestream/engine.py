@@ -103,7 +103,13 @@ class Engine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
-        self.runner = ModelRunner(model, self.kv, cache.block_size, self.device)
+        self.runner = ModelRunner(
+            model,
+            self.kv,
+            cache.block_size,
+            self.device,
+            prefill_graph_tokens=sched.max_num_batched_tokens,
+        )
         self._speculator = speculator
         self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
         self._text: dict[str, RequestText] = {}
@@ -145,9 +151,10 @@ class Engine:
         """Device bytes a step needs besides weights and the KV pool, an upper estimate: the
         MoE's bf16 expert copies (`kernels.dequant_mm`, every expert of a layer), the dense
         path's bf16 weight chunk, per-token activations at the step's token budget (the MoE's
-        per-pair rows in float32 dominate), sampled logits, and 512 MiB for CUDA graphs and the
-        allocator's rounding. Kept out of the default KV budget so that a long prefill cannot
-        run out of memory on a small GPU."""
+        per-pair rows in float32 dominate), twice where prefill chunks run as CUDA graphs (their
+        private pool keeps the temporaries of the largest), sampled logits, and 512 MiB for the
+        decode graphs and the allocator's rounding. Kept out of the default KV budget so that a
+        long prefill cannot run out of memory on a small GPU."""
         from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES
 
         c = self.model.config
@@ -156,7 +163,10 @@ class Engine:
         experts = c.n_experts * 3 * c.expert_ffn_size * h * 2  # bf16
         per_token = 64 * h + k * (8 * h + 6 * max(c.expert_ffn_size, c.ffn_size))
         logits = 2 * self.sched_config.max_num_seqs * c.vocab_size * 4
-        return experts + DEQUANT_SCRATCH_BYTES + tokens * per_token + logits + (512 << 20)
+        step = experts + tokens * per_token
+        if self.model.supports_cuda_graphs:  # the prefill graphs' pool holds a step's as well
+            step *= 2
+        return step + DEQUANT_SCRATCH_BYTES + logits + (512 << 20)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

@@ -19,10 +19,13 @@
 #   bench/scripts/gpu_figures.sh diag    every kernel test; MoE path switch points; 30B prefill
 #                                        profiles at 512 and 2048 tokens, with and without the
 #                                        bf16 weight copies
+#   bench/scripts/gpu_figures.sh kern    GPU tests of the grouped MoE path, the one-launch expert
+#                                        grouping, the dequantizer and the graphs; the grouped
+#                                        MoE and dequantizer launch sweeps
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|diag|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|diag|kern|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -141,6 +144,14 @@ case $part in
       echo "[profile prefill wc=$wc rc=$?]"
       grep "^## \|^wall" "$out/profile_prefill_wc$wc.txt"
     done
+    ;;
+  kern)
+    # the new kernels' GPU tests (and the engine with prefill graphs); their launch sweeps
+    timeout 170 python3 -m pytest tests/kernels/test_moe_gmmvq.py tests/kernels/test_moe_align.py \
+      tests/kernels/test_dequant_mm.py tests/runner/test_cuda_graph.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -8 | tee "$out/pytest_kern.txt"
+    timeout 200 python3 bench/kernels_gpu.py --sweep-gmmvq 2>&1 | tee "$out/sweep_gmmvq.log" | tail -45
+    timeout 130 python3 bench/dequant_sweep.py --quick 2>&1 | tee "$out/sweep_dequant.log" | tail -30
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

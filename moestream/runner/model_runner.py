@@ -14,7 +14,8 @@ and the drafts, and gets k + 1 logits rows instead of one; `sample_with_drafts` 
 pool past the request's `num_computed_tokens`; nothing reads them (a query at position p reads
 positions 0..p, all written by this or earlier steps) and the next step overwrites them.
 A step of decodes and verifications runs as a CUDA graph where one holds it
-(runner/cuda_graph.py: a decode graph without drafts, a verify graph with), others eagerly.
+(runner/cuda_graph.py: a decode graph without drafts, a verify graph with), a step of one
+request's prompt chunk as a prefill graph (runner/prefill_graph.py), others eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from moestream.cache.kv_cache import PagedKVCache
 from moestream.models.base import CausalLM
 from moestream.runner.cuda_graph import decode_graphs_for
 from moestream.runner.inputs import StepInputs, build_step_inputs
+from moestream.runner.prefill_graph import prefill_graphs_for
 from moestream.sampling.sampler import Sampler, SamplingBatch, argmax_only
 from moestream.spec.verify import verify_drafts
 from moestream.types import ScheduledRequest, StepPlan
@@ -137,6 +139,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         enforce_eager: bool = False,
+        prefill_graph_tokens: int = 0,
     ):
         self.model = model
         self.kv = kv
@@ -147,6 +150,13 @@ class ModelRunner:
         self.logits_processor: LogitsProcessor | None = None
         # Decode and verify steps as CUDA graphs (runner/cuda_graph.py); None: always eager.
         self.graphs = None if enforce_eager else decode_graphs_for(model, kv, block_size)
+        # One-request prefill chunks of up to `prefill_graph_tokens` tokens as CUDA graphs in
+        # the decode graphs' pool (runner/prefill_graph.py); None: eager.
+        self.prefill_graphs = None
+        if self.graphs is not None and prefill_graph_tokens > 1:
+            self.prefill_graphs = prefill_graphs_for(
+                model, kv, block_size, prefill_graph_tokens, self.graphs.backend
+            )
         # (bucket, tokens per sequence) of the graph the last `execute` replayed; None: eager.
         self.last_step_graph: tuple[int, int] | None = None
         # Run-ahead of greedy decode steps (`_decode_ahead`): on unless the engine speculates
@@ -167,6 +177,14 @@ class ModelRunner:
         if graphs is None or not all(s.sample and len(s.token_ids) == 1 for s in reqs):
             return None
         return graphs.graph_for(len(reqs), max(len(s.draft_token_ids) for s in reqs) + 1)
+
+    def _prefill_graph_step(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether a prefill graph runs this step: one request feeding a chunk of more than one
+        token, no drafts, that a bucket holds."""
+        graphs = self.prefill_graphs
+        if graphs is None or len(reqs) != 1 or reqs[0].draft_token_ids:
+            return False
+        return graphs.bucket_for(len(reqs[0].token_ids)) is not None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -191,6 +209,11 @@ class ModelRunner:
             drafts = [s.draft_token_ids for s in reqs]
             logits = self.graphs.run_verify(tokens, drafts, starts, blocks)  # [R, V] float32
             return self.sample_with_drafts(logits, reqs)
+        if self._prefill_graph_step(reqs):
+            s = reqs[0]
+            assert self.prefill_graphs is not None
+            logits = self.prefill_graphs.run(s.token_ids, s.start_pos, s.block_ids)  # [1, V]
+            return self.sample(logits, reqs) if s.sample else RunnerOutput()
         batch = self.prepare(plan)
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.attn, self.kv)  # [T, H]
         if not batch.sampled:
