@@ -75,14 +75,22 @@ class DequantShape:
 
 
 # Fixed launch shape per (type, K), else per (type, None): the rows of bench/dequant_sweep.py's
-# table (H200). A fixed shape replaces per-process autotuning, whose pick depended on the first
-# call's timing. Until the sweep has run on the H200: one best guess for all (64 values per
-# thread, 32-63 registers in the sm_90 build, no spills, no shared memory). Groups need not
-# divide a row's (K = 768 has 3): the last block is masked.
+# table. A fixed shape replaces per-process autotuning, whose pick depended on the first call's
+# timing. H200 (`python bench/dequant_sweep.py --quick`, 2026-11-30, bench/RESULTS.md): Q4_K
+# MoE gate/up 147.7 us (3.5 TB/s read + written, 83% of copy; the old kernel 177.6), dense
+# [4096, 2048] 9.5 us (36.5); Q6_K head 276.9 us (293.9); Q6_K MoE down (K = 768) fastest in
+# the old per-plane order, 295 us (46% of copy). The other types were not swept: the guess
+# (64 values per thread, 32-63 registers in the sm_90 build, no spills, no shared memory).
+# Groups need not divide a row's (K = 768 has 3): the last block is masked.
 T = GGMLQuantizationType
 DEQUANT_SHAPES: dict[tuple[GGMLQuantizationType, int | None], DequantShape] = {
-    (qtype, None): DequantShape(block_r=16, groups=2, warps=4, stream=True)
-    for qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
+    **{
+        (qtype, None): DequantShape(block_r=16, groups=2, warps=4, stream=True)
+        for qtype in (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K)
+    },
+    (T.Q4_K, None): DequantShape(block_r=16, groups=2, warps=4),
+    (T.Q6_K, None): DequantShape(block_r=16, groups=2, warps=4, stream=True),
+    (T.Q6_K, 768): DequantShape(block_r=16, groups=1, warps=4, planes=True),
 }
 # Byte alignment of the scale words `dequant_groups` reads as int32 (int16: 2, the float16 fields'
 # alignment, which every path needs).
