@@ -445,118 +445,6 @@ def time_align(gen) -> int:
     return bad
 
 
-def gmmvq_sweep_configs() -> list:
-    """The "gmmvq" launch shapes `sweep_gmmvq` times: the default, then one or two fields
-    changed at a time (M_BLOCK 2/4/8, warps 4/8, K split 1/2/4, groups per step, tree or plain
-    sums, down rows and warps). None spills registers in the sm_90 build."""
-    from dataclasses import replace
-
-    from moestream.kernels.moe_gmmvq import GmmvqConfig
-
-    d = GmmvqConfig()
-    flat = replace(d, up_tree=False)
-    return [
-        d,
-        flat,
-        replace(flat, up_warps=8),
-        replace(flat, up_groups=1),
-        replace(flat, up_warps=8, up_split=2),
-        replace(flat, up_groups=1, up_split=1),
-        replace(flat, m_block=2),
-        replace(d, m_block=2),
-        replace(flat, m_block=2, down_block_n=16),
-        replace(flat, m_block=8, up_groups=1, up_warps=8),
-        replace(flat, m_block=8, up_warps=8),
-        replace(d, m_block=8, up_groups=1, up_warps=8, up_split=2),
-        replace(flat, m_block=8, up_groups=1, up_warps=8, down_warps=8),
-        replace(flat, down_block_n=4),
-        replace(flat, down_block_n=16, down_warps=8),
-        replace(flat, down_block_n=32, down_warps=8),
-    ]
-
-
-def sweep_gmmvq(gen, copy_gbs: float) -> None:
-    """The MoE "gmmvq" path (`moe_gmmvq.GmmvqConfig`, `gmmvq_sweep_configs`) beside "mmvq" and
-    "mmq", Qwen3-30B-A3B layer, Q4_K/Q6_K, bfloat16 x, T = 8, 16, 32, 64, 128. Every call is
-    the whole `fused_moe` (x's quantization and `align_assignments` included), timed over 4
-    copies of the experts with their own random routing (CUDA graph, median of replays). GB/s
-    counts the bytes of the distinct experts routed to; "err" is max |out - mmvq| / max |mmvq|
-    on the first routing. Prints every row as it goes, then the fastest "gmmvq" config per T."""
-    from moestream.kernels.moe import align_assignments, fused_moe
-
-    qg, qd = T.Q4_K, T.Q6_K
-    per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)  # gate, up, down
-    copies = 4  # 4 x 392 MB: each call reads cold experts (L2 50 MB)
-    gate = random_qtensor(qg, (copies * E, FFN, HIDDEN), gen)
-    up = random_qtensor(qg, (copies * E, FFN, HIDDEN), gen)
-    down = random_qtensor(qd, (copies * E, HIDDEN, FFN), gen)
-    configs = gmmvq_sweep_configs()
-
-    def short(c) -> str:
-        up_ = f"up g{c.up_groups} w{c.up_warps} s{c.up_split} tree={c.up_tree:d}"
-        return f"m{c.m_block} | {up_} | down n{c.down_block_n} g{c.down_groups} w{c.down_warps}"
-
-    summary = []
-    for t in (8, 16, 32, 64, 128):
-        x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
-        calls, used = [], []
-        for i in range(copies):
-            logits = torch.randn(t, E, device="cuda", generator=gen)
-            weights, ids = torch.topk(torch.softmax(logits, -1), TOPK, dim=-1)  # [T, k]
-            weights = weights / weights.sum(-1, keepdim=True)
-            slot = torch.arange(E, dtype=torch.int32, device="cuda") + i * E
-            out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device="cuda")
-            calls.append((ids, weights, slot, out))
-            used.append(torch.unique(ids).numel())
-        mean_used = sum(used) / len(used)
-        nbytes = mean_used * per_expert
-        ids0, w0, slot0, _ = calls[0]
-        ref = fused_moe(x, ids0, w0, gate, up, down, slot0, method="mmvq").float()
-        align_us = graph_time_us([lambda a=a: align_assignments(a[0], E, 4) for a in calls])
-        print(
-            f"\nT={t} A={t * TOPK}: {mean_used:.0f} experts routed, {nbytes / 1e6:.0f} MB;"
-            f" align_assignments(block_m=4) alone {align_us:.1f} us",
-            flush=True,
-        )
-        times = {}
-        runs = [("mmvq", None), ("mmq", None)] + [("gmmvq", c) for c in configs]
-        for method, cfg in runs:
-            kw = {"method": method, "gmmvq_cfg": cfg}
-            try:
-                out = torch.full((t, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fused_moe(x, ids0, w0, gate, up, down, slot0, out=out, **kw)
-                err = rel_err(out, ref)
-                us = graph_time_us(
-                    [
-                        lambda a=a, kw=kw, x=x: fused_moe(
-                            x, a[0], a[1], gate, up, down, a[2], out=a[3], **kw
-                        )
-                        for a in calls
-                    ]
-                )
-            except Exception as exc:  # a config the compiler rejects: report, go on
-                print(f"  {method} {cfg}: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            gbs = nbytes / us / 1e3
-            flag = "" if err < 1e-2 else "  FAIL"
-            label = short(cfg) if cfg is not None else ""
-            print(
-                f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  err {err:.1e}"
-                f"  {method:5s} {label}{flag}",
-                flush=True,
-            )
-            if cfg is None or err < 1e-2:
-                times[(method, cfg)] = us
-        gm = {c: us for (m, c), us in times.items() if m == "gmmvq"}
-        if gm:
-            best = min(gm, key=gm.get)
-            summary.append((t, gm[best], times.get(("mmvq", None)), times.get(("mmq", None)), best))
-        torch.cuda.empty_cache()
-    print("\nfastest gmmvq per T (us; mmvq, mmq beside):")
-    for t, us, mmvq_us, mmq_us, cfg in summary:
-        print(f"  T={t:3d} {us:8.1f} us  (mmvq {mmvq_us or 0:.1f}, mmq {mmq_us or 0:.1f})  {cfg}")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -567,9 +455,6 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")
     parser.add_argument("--sweep-moe", action="store_true", help="tune the MoE mmvq config")
-    parser.add_argument(
-        "--sweep-gmmvq", action="store_true", help="time the MoE gmmvq configs, T = 8..128"
-    )
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
@@ -584,8 +469,6 @@ def main() -> int:
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
     if args.time_align:
         return 1 if time_align(gen) else 0
-    if args.sweep_gmmvq:
-        sweep_gmmvq(gen, copy_gbs)
         return 0
     if args.sweep or args.sweep_moe:
         if args.sweep:

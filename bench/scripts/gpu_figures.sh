@@ -19,8 +19,8 @@
 #   bench/scripts/gpu_figures.sh diag    every kernel test; MoE path switch points; 30B prefill
 #                                        profiles at 512 and 2048 tokens, with and without the
 #                                        bf16 weight copies
-#   bench/scripts/gpu_figures.sh kern    30B prefill, prefix reuse, batched decode; grouped MoE
-#                                        and dequantizer sweeps; GPU tests of the new kernels
+#   bench/scripts/gpu_figures.sh kern    30B prefill, prefix reuse, batched decode; dequantizer
+#                                        sweep; GPU tests of the new kernels
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
@@ -151,9 +151,8 @@ case $part in
     bench q30k 170 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 16,32 \
       --concurrency-prompt 128 --prefix-reuse 32768:31744
-    timeout 170 python3 bench/kernels_gpu.py --sweep-gmmvq 2>&1 | tee "$out/sweep_gmmvq.log" | tail -45
     timeout 100 python3 bench/dequant_sweep.py --quick 2>&1 | tee "$out/sweep_dequant.log" | tail -30
-    timeout 130 python3 -m pytest tests/kernels/test_moe_gmmvq.py tests/kernels/test_moe_align.py \
+    timeout 130 python3 -m pytest tests/kernels/test_moe_align.py \
       tests/kernels/test_dequant_mm.py tests/runner/test_cuda_graph.py -q -p no:cacheprovider \
       -rf 2>&1 | tail -8 | tee "$out/pytest_kern.txt"
     ;;

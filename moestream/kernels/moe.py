@@ -43,7 +43,6 @@ import triton.language as tl
 
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act
-from moestream.kernels.moe_gmmvq import GmmvqConfig, fused_moe_gmmvq
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, fused_moe_mmvq
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
@@ -335,7 +334,6 @@ def fused_moe(
     expert_addr: torch.Tensor | None = None,
     xa: Q8Act | None = None,
     counters: torch.Tensor | None = None,
-    gmmvq_cfg: GmmvqConfig | None = None,
 ) -> torch.Tensor:
     """The Triton MoE FFN: same contract as `ops.moe_forward_ref`, -> [T, H] in x's dtype.
 
@@ -356,10 +354,6 @@ def fused_moe(
     when the caller already has them (`mmvq.quantize_q8(x)`; x then gives only shapes, dtype
     and device); `counters` the zero arrival counters of a gate/up split
     (`moe_mmvq.mmvq_counters`, left zero; a fresh buffer per call when None).
-
-    "gmmvq" (assignments grouped by expert, integer dots; `kernels.moe_gmmvq`): `gmmvq_cfg` its
-    launch shape (default `GmmvqConfig()`; `block_n` sets its down rows), `xa` as for "mmvq",
-    `counters` those of its gate/up split (`moe_gmmvq.gmmvq_counters`).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     if expert_slot is None and expert_addr is None:
@@ -395,13 +389,6 @@ def fused_moe(
         )  # fmt: skip
     if expert_addr is not None:
         raise ValueError("expert_addr needs the mmvq path (at most 256 assignments)")
-    if method == "gmmvq":
-        cfg = gmmvq_cfg or GmmvqConfig()
-        if block_n:
-            cfg = replace(cfg, down_block_n=block_n)
-        return fused_moe_gmmvq(
-            x, xa, topk_ids, topk_weights, gate, up, down, expert_slot, out, cfg, counters
-        )
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
     if method == "gemv":
         block_n = block_n or 16
@@ -430,7 +417,7 @@ def fused_moe(
             raise ValueError(f"dequant: no grouped GEMM for {x.dtype} on {x.device}")
         return moe_dequant_grouped(x, topk_ids, topk_weights, gate, up, down, expert_slot, out)
     if method != "gemm":
-        raise ValueError(f"method must be mmvq, gmmvq, mmq, gemv, gemm or dequant, got {method!r}")
+        raise ValueError(f"method must be mmvq, mmq, gemv, gemm or dequant, got {method!r}")
     num_experts = expert_slot.shape[0]
     block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
         a / num_experts, x.dtype
