@@ -179,12 +179,24 @@ def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
     return Row(kind, shape, qtype.name, str(dtype)[6:], err, us, nbytes, 2 * m * n * k)
 
 
-def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=False) -> Row:
+def bench_moe(
+    t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=False, mmq_cfg=None
+) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
-    slot e + 128 c), so consecutive calls read different, cold experts."""
+    slot e + 128 c), so consecutive calls read different, cold experts. `mmq_cfg`: the "mmq"
+    path with that launch shape (`moe_mmq.moe_mmq`)."""
     from moestream.kernels.moe import default_method, fused_moe
+    from moestream.kernels.moe_mmq import moe_mmq
     from moestream.kernels.moe_mmvq import moe_mmvq_ref
+
+    def run(a) -> None:
+        if mmq_cfg is not None:
+            moe_mmq(x, a[0], a[1], gate, up, down, a[2], out=a[3], config=mmq_cfg)
+        else:
+            fused_moe(
+                x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method, mmvq_cfg=mmvq_cfg
+            )
 
     qg, qd = qtypes
     per_expert = 2 * FFN * row_bytes(qg, HIDDEN) + HIDDEN * row_bytes(qd, FFN)  # gate, up, down
@@ -212,18 +224,11 @@ def bench_moe(t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=
         calls.append((ids, weights, slot, out))
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
-    path = method or default_method(t * TOPK, gate, up, down, x)
-    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, mmvq_cfg=mmvq_cfg)
-    ref = moe_mmvq_ref if path == "mmvq" else ops.moe_forward_ref
+    path = "mmq" if mmq_cfg is not None else method or default_method(t * TOPK, gate, up, down, x)
+    run(calls[0])
+    ref = moe_mmvq_ref if path in ("mmvq", "mmq") else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
-    us = graph_time_us(
-        [
-            lambda a=a: fused_moe(
-                x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method, mmvq_cfg=mmvq_cfg
-            )
-            for a in calls
-        ]
-    )
+    us = graph_time_us([lambda a=a: run(a) for a in calls])
     mean_used = sum(used) / len(used)
     nbytes = int(mean_used * per_expert) + 2 * x.numel() * x.element_size()
     shape = f"T={t} E={E} k={TOPK} H={HIDDEN} F={FFN} ({mean_used:.0f} used)"
@@ -419,6 +424,43 @@ def sweep_moe(gen, copy_gbs: float) -> None:
     print(f"pick (fastest at T=1, T=8 no slower than before): {pick}")
 
 
+def sweep_moe_mmq(gen, copy_gbs: float) -> None:
+    """The MoE "mmq" path (batched decode, 17-128 tokens) over launch shapes (`MmqConfig`:
+    weight rows per program, warps, pipeline stages; BLOCK_M from the mean assignments per
+    expert as `moe_mmq_config` picks it), Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64.
+    Prints every row, then the fastest per T and the one with the least summed time."""
+    from moestream.kernels.mmq import MmqConfig
+    from moestream.kernels.moe_mmq import moe_mmq_config
+
+    mix = (T.Q4_K, T.Q6_K)
+    times: dict[tuple, dict[int, float]] = {}
+    for t in (16, 32, 64):
+        base = moe_mmq_config(t * TOPK, E)
+        for bn, w, st in [(64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3),
+                          (128, 8, 3), (128, 8, 4), (64, 2, 3)]:  # fmt: skip
+            cfg = MmqConfig(base.block_m, bn, 1, w, st)
+            try:
+                r = bench_moe(t, mix, torch.bfloat16, gen=gen, mmq_cfg=cfg)
+            except Exception as exc:  # a shape the compiler rejects: report, go on
+                print(f"  T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            gbs = r.nbytes / r.us / 1e3
+            mark = " (default)" if cfg == base else ""
+            print(
+                f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
+                f"  err {r.err:.1e}  bn{bn} w{w} st{st}{mark}",
+                flush=True,
+            )
+            times.setdefault((bn, w, st), {})[t] = r.us
+            torch.cuda.empty_cache()
+    full = {k: v for k, v in times.items() if len(v) == 3}
+    for t in (16, 32, 64):
+        best = min(full, key=lambda k: full[k][t])
+        print(f"fastest at T={t}: bn{best[0]} w{best[1]} st{best[2]} {full[best][t]:.1f} us")
+    best = min(full, key=lambda k: sum(full[k].values()))
+    print(f"least summed time: bn{best[0]} w{best[1]} st{best[2]} {full[best]}")
+
+
 def time_align(gen) -> int:
     """`moe.align_assignments` (torch ops) vs `moe_align.align_blocks` (one Triton launch) at
     E=128, k=8: median us per call from CUDA-graph replays (50 calls a graph), outputs compared
@@ -455,6 +497,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")
     parser.add_argument("--sweep-moe", action="store_true", help="tune the MoE mmvq config")
+    parser.add_argument(
+        "--sweep-moe-mmq", action="store_true", help="time the MoE mmq launch shapes, T=16..64"
+    )
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
@@ -467,9 +512,11 @@ def main() -> int:
     l2_mib = props.L2_cache_size >> 20
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_mib} MiB")
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
+    if args.sweep_moe_mmq:
+        sweep_moe_mmq(gen, copy_gbs)
+        return 0
     if args.time_align:
         return 1 if time_align(gen) else 0
-        return 0
     if args.sweep or args.sweep_moe:
         if args.sweep:
             sweep(gen, copy_gbs)
