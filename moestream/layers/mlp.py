@@ -1,11 +1,18 @@
-"""SiLU-gated feed-forward: down(silu(gate(x)) * up(x))."""
+"""SiLU-gated feed-forward: down(silu(gate(x)) * up(x)).
+
+On the kernel path (CUDA) the gate and up rows are stacked into one weight, so a step runs one
+matmul for both, then `kernels.swiglu.silu_mul` (SiLU, the product and, for an integer-dot down
+projection, the q8 rounding of h in one launch), then down: three launches where there were six.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels.ops import KERNEL_QTYPES, takes_q8
 from moestream.layers.linear import HOST_TABLE_QTYPES, linear
+from moestream.layers.norm import on_kernel_path, with_q8
 from moestream.weights.qtensor import QTensor
 
 
@@ -29,10 +36,32 @@ def gated_mlp(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> tor
     return linear(h, down)
 
 
-class GatedMLP:
-    """The dense FFN of llama, qwen2 and qwen3 blocks."""
+def stack_rows(a: QTensor, b: QTensor) -> tuple[QTensor, QTensor, QTensor]:
+    """(a and b's rows stacked [Na + Nb, K], a view of its first Na rows, one of the rest): the
+    views replace a and b, so the stack takes no memory beyond theirs."""
+    data = torch.cat([a.data, b.data])  # quantized rows are independent: stack the bytes
+    both = QTensor(data, a.qtype, (a.shape[0] + b.shape[0], a.shape[1]))
+    n = a.shape[0]
+    return both, QTensor(data[:n], a.qtype, a.shape), QTensor(data[n:], b.qtype, b.shape)
 
-    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+
+class GatedMLP:
+    """The dense FFN of llama, qwen2 and qwen3 blocks. `fuse` (default: the weights are on a
+    CUDA device, gate and up of one kernel type and shape): keep gate and up stacked for the
+    kernel path (module docstring)."""
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, fuse: bool | None = None):
+        if fuse is None:
+            fuse = gate.device.type == "cuda"
+        self.gate_up: QTensor | None = None
+        if (
+            fuse
+            and gate.qtype == up.qtype
+            and gate.qtype in KERNEL_QTYPES
+            and gate.shape == up.shape
+            and gate.shape[0] % 32 == 0
+        ):
+            self.gate_up, gate, up = stack_rows(gate, up)
         self.gate, self.up, self.down = gate, up, down
 
     @property
@@ -41,4 +70,11 @@ class GatedMLP:
         return all(w.qtype not in HOST_TABLE_QTYPES for w in (self.gate, self.up, self.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, self.gate, self.up, self.down)
+        if self.gate_up is None or not on_kernel_path(x) or x.dim() != 2:
+            return gated_mlp(x, self.gate, self.up, self.down)
+        from moestream.kernels.swiglu import silu_mul
+
+        gu = linear(x, self.gate_up)  # [M, 2F]: gate, then up
+        q8 = takes_q8(gu[:, : self.gate.shape[0]], self.down)
+        h, ha = silu_mul(gu, q8=q8)  # [M, F], its q8 blocks for an integer-dot down
+        return linear(with_q8(h, ha) if ha is not None else h, self.down)

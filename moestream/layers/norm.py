@@ -32,8 +32,9 @@ def on_kernel_path(x: torch.Tensor) -> bool:
 
 
 def with_q8(x: torch.Tensor, xa: Q8Act) -> torch.Tensor:
-    """x [T, H], carrying xa = quantize_q8(x) for its consumers (`q8_of`). Only a norm calls
-    this, on its fresh output: the tensor is never written afterwards, so xa stays its value."""
+    """x [T, H], carrying xa = quantize_q8(x) for its consumers (`q8_of`). Only the kernel that
+    just wrote x calls this (a norm, `kernels.swiglu.silu_mul`): the tensor is never written
+    afterwards, so xa stays its value."""
     setattr(x, _Q8_ATTR, xa)
     return x
 
