@@ -461,6 +461,91 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     print(f"least summed time: bn{best[0]} w{best[1]} st{best[2]} {full[best]}")
 
 
+def sweep_moe_host(gen, copy_gbs: float) -> None:
+    """The MoE "mmvq" path reading experts by address (zero-copy placement,
+    `--expert-zero-copy`): a Qwen3-30B-A3B layer (Q4_K/Q6_K) with half of its experts in device
+    memory and half in pinned host memory, over launch variants (`MoeMmvqConfig`) at T = 1
+    and 8. 16 routings a timed graph (together they touch every host expert, more than the L2
+    holds). Prints us per call, GB/s of the host-resident expert bytes read, the error against
+    the device-resident call, and the fastest variant per T."""
+    from dataclasses import replace
+
+    from moestream.kernels.moe import fused_moe
+    from moestream.kernels.moe_mmvq import MoeMmvqConfig
+
+    n_dev = E // 2
+    stacks = (
+        random_qtensor(T.Q4_K, (E, FFN, HIDDEN), gen),
+        random_qtensor(T.Q4_K, (E, FFN, HIDDEN), gen),
+        random_qtensor(T.Q6_K, (E, HIDDEN, FFN), gen),
+    )
+    host = []
+    for w in stacks:
+        h = torch.empty((E - n_dev, *w.data.shape[1:]), dtype=w.data.dtype, pin_memory=True)
+        h.copy_(w.data[n_dev:])
+        host.append(h)
+    addr = torch.tensor(
+        [
+            [w.data[i].data_ptr() if i < n_dev else h[i - n_dev].data_ptr() for i in range(E)]
+            for w, h in zip(stacks, host)
+        ],
+        dtype=torch.int64,
+        device="cuda",
+    )  # [3, E]
+    templates = [QTensor(w.data[:1], w.qtype, (1, *w.shape[1:])) for w in stacks]
+    per_expert = sum(w.data[0].numel() for w in stacks)
+    slot = torch.arange(E, dtype=torch.int32, device="cuda")
+    base = MoeMmvqConfig()
+    configs = [base]
+    configs += [
+        replace(base, up_split=s, up_groups=g, up_warps=w)
+        for s in (4, 8)
+        for g in (1, 2)
+        for w in (4, 8)
+    ]
+    configs += [replace(base, down_block_n=n, down_experts=e) for n in (2, 4, 8) for e in (2, 4, 8)]
+    configs = list(dict.fromkeys(configs))
+    for t in (1, 8):
+        x = torch.randn(t, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        calls, host_used = [], []
+        for _ in range(16):
+            logits = torch.randn(t, E, device="cuda", generator=gen)
+            weights, ids = torch.topk(torch.softmax(logits, -1), TOPK, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            out = torch.empty((t, HIDDEN), dtype=torch.bfloat16, device="cuda")
+            calls.append((ids, weights, out))
+            host_used.append(int((torch.unique(ids) >= n_dev).sum()))
+        host_bytes = sum(host_used) / len(host_used) * per_expert
+        ids0, w0, _ = calls[0]
+        ref = fused_moe(x, ids0, w0, *stacks, slot, method="mmvq").float()
+        print(f"\nT={t}: {host_bytes / 1e6:.1f} MB of host-resident experts read per call")
+        times = {}
+        for cfg in configs:
+
+            def run(a, cfg=cfg, x=x):
+                return fused_moe(
+                    x, a[0], a[1], *templates, None, out=a[2], method="mmvq",
+                    expert_addr=addr, mmvq_cfg=cfg,
+                )  # fmt: skip
+
+            try:
+                err = rel_err(run(calls[0]), ref)
+                us = graph_time_us([lambda a=a: run(a) for a in calls], reps=10)
+            except Exception as exc:  # a shape the compiler rejects: report, go on
+                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            times[cfg] = us
+            mark = " (default)" if cfg == base else ""
+            print(
+                f"  {us:8.1f} us {host_bytes / us / 1e3:6.1f} GB/s host  err {err:.1e}"
+                f"  up g{cfg.up_groups} w{cfg.up_warps} s{cfg.up_split}"
+                f" | down n{cfg.down_block_n} e{cfg.down_experts}{mark}",
+                flush=True,
+            )
+        best = min(times, key=times.get)
+        print(f"fastest at T={t}: {times[best]:.1f} us (default {times.get(base, 0):.1f}) {best}")
+
+
 def time_align(gen) -> int:
     """`moe.align_assignments` (torch ops) vs `moe_align.align_blocks` (one Triton launch) at
     E=128, k=8: median us per call from CUDA-graph replays (50 calls a graph), outputs compared
@@ -500,6 +585,11 @@ def main() -> int:
     parser.add_argument(
         "--sweep-moe-mmq", action="store_true", help="time the MoE mmq launch shapes, T=16..64"
     )
+    parser.add_argument(
+        "--sweep-moe-host",
+        action="store_true",
+        help="time the MoE mmvq launch shapes on half host-resident (zero-copy) experts",
+    )
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
@@ -512,8 +602,11 @@ def main() -> int:
     l2_mib = props.L2_cache_size >> 20
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_mib} MiB")
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
-    if args.sweep_moe_mmq:
-        sweep_moe_mmq(gen, copy_gbs)
+    if args.sweep_moe_mmq or args.sweep_moe_host:
+        if args.sweep_moe_mmq:
+            sweep_moe_mmq(gen, copy_gbs)
+        if args.sweep_moe_host:
+            sweep_moe_host(gen, copy_gbs)
         return 0
     if args.time_align:
         return 1 if time_align(gen) else 0

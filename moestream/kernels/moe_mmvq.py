@@ -310,6 +310,12 @@ def _down_mmvq_kernel(
     tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+# The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
+# some of them across the host link, whose latency wants more loads in flight than HBM's). Not
+# yet swept apart from the device-resident case (`python bench/kernels_gpu.py --sweep-moe-host`).
+ZERO_COPY_CONFIG = MoeMmvqConfig()
+
+
 def moe_mmvq_ref(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

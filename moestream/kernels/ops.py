@@ -370,6 +370,7 @@ def moe_forward_addr(
     each expert. CUDA kernel path only ("mmvq", in chunks of at most MMVQ_MAX_ASSIGNMENTS
     assignments; a token's result does not depend on its chunk)."""
     from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, fused_moe
+    from moestream.kernels.moe_mmvq import ZERO_COPY_CONFIG
 
     if not (moe_kernel_path(x, gate, up, down) and all(
         w.qtype in MMVQ_QTYPES for w in (gate, up, down)
@@ -380,7 +381,8 @@ def moe_forward_addr(
         x, topk_ids.contiguous(), topk_weights.contiguous(),
         max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1]),
         lambda xc, ic, wc: fused_moe(
-            xc, ic, wc, gate, up, down, None, method="mmvq", expert_addr=expert_addr
+            xc, ic, wc, gate, up, down, None, method="mmvq", expert_addr=expert_addr,
+            mmvq_cfg=ZERO_COPY_CONFIG,
         ),
     )  # fmt: skip
 
