@@ -21,10 +21,12 @@
 #                                        bf16 weight copies
 #   bench/scripts/gpu_figures.sh kern    30B prefill, prefix reuse, batched decode; dequantizer
 #                                        sweep; GPU tests of the new kernels
+#   bench/scripts/gpu_figures.sh sweep2  prefill attention, MoE mmq, zero-copy MoE sweeps; GPU
+#                                        tests of the fused FFN, attention and graphs
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|diag|kern|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|diag|kern|sweep2|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -155,6 +157,15 @@ case $part in
     timeout 130 python3 -m pytest tests/kernels/test_moe_align.py \
       tests/kernels/test_dequant_mm.py tests/runner/test_cuda_graph.py -q -p no:cacheprovider \
       -rf 2>&1 | tail -8 | tee "$out/pytest_kern.txt"
+    ;;
+  sweep2)
+    # prefill attention, MoE mmq and zero-copy MoE launch shapes; GPU tests of the changed paths
+    timeout 110 python3 bench/prefill_attention_gpu.py --quick 2>&1 | tee "$out/sweep_prefill_attn.log" | tail -30
+    timeout 80 python3 bench/kernels_gpu.py --sweep-moe-mmq 2>&1 | tee "$out/sweep_moe_mmq.log" | tail -8
+    timeout 80 python3 bench/kernels_gpu.py --sweep-moe-host 2>&1 | tee "$out/sweep_moe_host.log" | tail -8
+    timeout 90 python3 -m pytest tests/kernels/test_swiglu.py tests/kernels/test_prefill_attention.py \
+      tests/runner/test_cuda_graph.py tests/models/test_vs_transformers.py -q -p no:cacheprovider \
+      -x -rf 2>&1 | tail -8 | tee "$out/pytest_sweep2.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
