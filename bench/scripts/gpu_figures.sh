@@ -23,10 +23,12 @@
 #                                        sweep; GPU tests of the new kernels
 #   bench/scripts/gpu_figures.sh sweep2  prefill attention, MoE mmq, zero-copy MoE sweeps; GPU
 #                                        tests of the fused FFN, attention and graphs
+#   bench/scripts/gpu_figures.sh final2  GPU tests; 30B and 8B figures; greedy GPU vs CPU;
+#                                        zero-copy experts at 8 GiB
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|diag|kern|sweep2|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -166,6 +168,24 @@ case $part in
     timeout 90 python3 -m pytest tests/kernels/test_swiglu.py tests/kernels/test_prefill_attention.py \
       tests/runner/test_cuda_graph.py tests/models/test_vs_transformers.py -q -p no:cacheprovider \
       -x -rf 2>&1 | tail -8 | tee "$out/pytest_sweep2.txt"
+    ;;
+  final2)
+    # GPU tests of the changed paths; the 30B and 8B figures; greedy text against the CPU;
+    # zero-copy experts at 8 GiB on the device
+    timeout 90 python3 -m pytest tests/kernels/test_swiglu.py tests/kernels/test_prefill_attention.py \
+      tests/runner/test_cuda_graph.py tests/models/test_vs_transformers.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -6 | tee "$out/pytest_final.txt"
+    synth qwen3-30b-a3b q30; synth qwen3-8b q8
+    bench q30 240 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128 --prefix-reuse 32768:31744
+    bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+    timeout 70 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
+      --json "$out/greedy.json" 2>&1 | tail -12
+    bench zc8 80 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8 \
+      --host-expert-cache-gib 24 --expert-zero-copy --prompt-lens 32 --decode-depths 0 \
+      --decode-tokens 16 --repeats 2
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -78,11 +78,13 @@ def _moe_down_kernel(
 
 
 def moe_mmq_config(a: int, num_experts: int) -> MmqConfig:
-    """BLOCK_M from the mean assignments per expert (16, 32, 64), BLOCK_N 64, `warps_for`.
-    Depends on (A, E) only, never on the routing."""
+    """BLOCK_M from the mean assignments per expert (16, 32, 64), BLOCK_N 64; 2 warps at
+    BLOCK_M 16, else `warps_for`. Depends on (A, E) only, never on the routing. H200, 30B layer
+    (`python bench/kernels_gpu.py --sweep-moe-mmq`, 2026-11-30): 2 warps 272.9 / 367.8 / 432.4 us
+    at T = 16 / 32 / 64 against 289.0 / 392.9 / 464.8 with 4, the fastest of 8 shapes."""
     per = a / num_experts
     block_m = 16 if per <= 16 else 32 if per <= 32 else 64
-    return MmqConfig(block_m, 64, 1, warps_for(block_m), 3)
+    return MmqConfig(block_m, 64, 1, 2 if block_m == 16 else warps_for(block_m), 3)
 
 
 def moe_mmq(

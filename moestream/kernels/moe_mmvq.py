@@ -311,9 +311,11 @@ def _down_mmvq_kernel(
 
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
-# some of them across the host link, whose latency wants more loads in flight than HBM's). Not
-# yet swept apart from the device-resident case (`python bench/kernels_gpu.py --sweep-moe-host`).
-ZERO_COPY_CONFIG = MoeMmvqConfig()
+# some of them across the host link). H200, 30B layer with half its experts in pinned host memory
+# (`python bench/kernels_gpu.py --sweep-moe-host`, 2026-11-30): one group per K step and 8 warps
+# for gate/up, 399 / 3,543 us at T = 1 / 8 against 426 / 4,060 for the device default; the host
+# link delivered 27-29 GB/s of expert bytes at T = 1 in every shape tried (16).
+ZERO_COPY_CONFIG = MoeMmvqConfig(up_groups=1, up_warps=8)
 
 
 def moe_mmvq_ref(

@@ -72,11 +72,13 @@ class PrefillAttnConfig:
         return " ".join([shape, *flags])
 
 
-# Best guess before an H200 sweep: 128 rows and 8 warps as FlashAttention-2 on Hopper; 5 stages
-# because the K/V addresses come from a block-table load: at 3 or 4 (Triton 3.6, sm_90) the next
-# tile's copy is issued only after the current one is used, at 5 it is in flight (129 KiB of
-# shared memory, 179 registers, no spills: bench/prefill_attention_gpu.py --build).
-DEFAULT_CONFIG = PrefillAttnConfig()
+# H200, 30B heads (`python bench/prefill_attention_gpu.py --quick`, 2026-11-30, bench/RESULTS.md):
+# 2048 new tokens over a 32k context 2,615 us (407 TFLOP/s) against 4,038 for the shape before
+# (64 rows, 4 warps, 2 stages, every tile masked), 1024 over 32k 1,334 against 2,086; the
+# fastest of 7 shapes in each case. 5 stages because the K/V addresses come from a block-table
+# load: at 3 or 4 (Triton 3.6, sm_90) the next tile's copy is issued only after the current one
+# is used, at 5 it is in flight (129 KiB of shared memory, 184 registers, no spills).
+DEFAULT_CONFIG = PrefillAttnConfig(bt_tile=True)
 
 
 @triton.jit

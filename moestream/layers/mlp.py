@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels.ops import KERNEL_QTYPES, takes_q8
+from moestream.kernels.ops import takes_q8
 from moestream.layers.linear import HOST_TABLE_QTYPES, linear
 from moestream.layers.norm import on_kernel_path, with_q8
 from moestream.weights.qtensor import QTensor
@@ -47,20 +47,14 @@ def stack_rows(a: QTensor, b: QTensor) -> tuple[QTensor, QTensor, QTensor]:
 
 class GatedMLP:
     """The dense FFN of llama, qwen2 and qwen3 blocks. `fuse` (default: the weights are on a
-    CUDA device, gate and up of one kernel type and shape): keep gate and up stacked for the
-    kernel path (module docstring)."""
+    CUDA device; gate and up must share type and shape): keep gate and up stacked for the kernel
+    path (module docstring)."""
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, fuse: bool | None = None):
         if fuse is None:
             fuse = gate.device.type == "cuda"
         self.gate_up: QTensor | None = None
-        if (
-            fuse
-            and gate.qtype == up.qtype
-            and gate.qtype in KERNEL_QTYPES
-            and gate.shape == up.shape
-            and gate.shape[0] % 32 == 0
-        ):
+        if fuse and gate.qtype == up.qtype and gate.shape == up.shape and gate.shape[0] % 32 == 0:
             self.gate_up, gate, up = stack_rows(gate, up)
         self.gate, self.up, self.down = gate, up, down
 
