@@ -185,8 +185,18 @@ def prefill_graphs_for(
     """Prefill graphs over `model` and its KV pool for chunks of up to `max_tokens` tokens (the
     scheduler's token budget), in `backend`'s pool (the decode graphs'), or None where the model
     cannot be captured (`CausalLM.supports_cuda_graphs`) or max_tokens < 2."""
+    if not model.supports_cuda_graphs:
+        return None
+    return build_prefill_graphs(model, kv, block_size, max_tokens, backend)
+
+
+def build_prefill_graphs(
+    model: CausalLM, kv: PagedKVCache, block_size: int, max_tokens: int, backend: GraphBackend
+) -> PrefillGraphs | None:
+    """`prefill_graphs_for` without the capture check (tests replay by recomputation on the
+    CPU): the forward is the model's, then the output head on the sample row."""
     buckets = prefill_buckets(max_tokens)
-    if not buckets or not model.supports_cuda_graphs:
+    if not buckets:
         return None
     context_blocks = -(-model.config.context_length // block_size)
 

@@ -156,3 +156,45 @@ def test_kernel_path_prefill_replay_matches_reference(monkeypatch):
     for i in range(len(kv.k)):  # pad rows wrote nothing
         torch.testing.assert_close(kv.k[i], ref_kv.k[i], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(kv.v[i], ref_kv.v[i], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="runs the kernels through the Triton interpreter on CPU tensors; on a GPU the "
+    "engine test in test_cuda_graph.py runs the compiled path",
+)
+def test_engine_with_prefill_graphs_matches_eager(monkeypatch):
+    """The engine with prefill graphs (replayed by recomputation) on the demo model's attention
+    and norm kernels (interpreter; two of its layers): a prompt chunked by a 32-token budget (a
+    chunk that is not sampled, one that is) and a prompt whose first blocks hit the prefix
+    cache (a chunk that starts past 0): greedy tokens identical to the same engine without
+    prefill graphs, and the graph steps did run."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from moestream import LLM, SamplingParams
+    from moestream.cli import DEMO_MODEL
+    from moestream.layers import attention, norm
+    from moestream.runner.prefill_graph import build_prefill_graphs
+
+    for module in (norm, attention):
+        monkeypatch.setattr(module, "on_kernel_path", lambda x: True)
+    g = torch.Generator().manual_seed(4)
+    first = torch.randint(10, 3000, (45,), generator=g).tolist()
+    prompts = [first, first[:32] + torch.randint(10, 3000, (9,), generator=g).tolist()]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(graphs: bool) -> tuple[list[list[int]], tuple[int, ...], int]:
+        llm = LLM(DEMO_MODEL, device="cpu", max_num_batched_tokens=32, kv_cache_gib=0.05)
+        runner = llm.engine.runner
+        runner.model.layers = runner.model.layers[:2]  # the interpreter is slow
+        if graphs:
+            runner.prefill_graphs = build_prefill_graphs(
+                runner.model, runner.kv, runner.block_size, 32, RecomputeBackend()
+            )
+        outs = [llm.generate([p], params)[0] for p in prompts]  # one request a step
+        captured = runner.prefill_graphs.captured if graphs else ()
+        return [o.token_ids for o in outs], captured, outs[1].num_cached_tokens
+
+    eager, _, _ = run(False)
+    replayed, captured, cached = run(True)
+    assert replayed == eager and cached == 32
+    assert captured == (16, 32)  # 32-token chunk; 13-token tail and the 9 tokens past the hit
