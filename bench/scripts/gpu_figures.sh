@@ -25,10 +25,12 @@
 #                                        tests of the fused FFN, attention and graphs
 #   bench/scripts/gpu_figures.sh final2  GPU tests; 30B and 8B figures; greedy GPU vs CPU;
 #                                        zero-copy experts at 8 GiB
+#   bench/scripts/gpu_figures.sh check2  GPU-marked tests of graphs, models, fusions; tiny-pair
+#                                        speculation
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -186,6 +188,14 @@ case $part in
     bench zc8 80 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8 \
       --host-expert-cache-gib 24 --expert-zero-copy --prompt-lens 32 --decode-depths 0 \
       --decode-tokens 16 --repeats 2
+    ;;
+  check2)
+    # the GPU-marked tests of graphs, models and fusions; the tiny pair's speculation
+    timeout 150 python3 -m pytest tests/runner/test_cuda_graph.py tests/runner/test_verify_graphs.py \
+      tests/models/test_vs_transformers.py tests/layers/test_q8_fusion.py -m gpu -q \
+      -p no:cacheprovider -rf 2>&1 | tail -8 | tee "$out/pytest_gpu.txt"
+    timeout 150 python3 bench/spec_figures.py --device cuda --rounds 1 --prompts 2 --tokens 128 \
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

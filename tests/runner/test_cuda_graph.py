@@ -340,6 +340,8 @@ def test_engine_graphs_match_eager(tiny_gguf):
         prompts = [[(7 * i + 13 * j) % 4000 + 5 for j in range(20 + 9 * i)] for i in range(batch)]
         assert _greedy(graph_llm, prompts, 24) == _greedy(eager_llm, prompts, 24), batch
     assert {1, 4, 8} <= set(graph_llm.engine.runner.graphs.captured)
+    # the lone 20-token prompt ran as the 32-token prefill graph; batched prompts ran eagerly
+    assert graph_llm.engine.runner.prefill_graphs.captured == (32,)
 
 
 @pytest.mark.gpu
