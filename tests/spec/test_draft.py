@@ -260,3 +260,51 @@ def test_draft_proposer_on_cuda(source, prompts):
             prop.propose(step)
         per_call = (time.perf_counter() - start) / len(steps)
         print(f"draft propose, {batch} request(s), k=4: {per_call * 1e3:.2f} ms per call")
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="runs the attention and norm kernels through the Triton interpreter on CPU tensors",
+)
+def test_decode_graphs_give_the_eager_drafts(source, prompts, monkeypatch):
+    """The proposer's single-token forwards through decode graphs (replayed by recomputation
+    on the CPU, the layers on their kernel path under the interpreter; two layers) draft the
+    same tokens as the same proposer run eagerly, over calls where requests advance, accept
+    part of their drafts and join, at batch 1 and 2."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from moestream.layers import attention, norm
+    from moestream.runner.cuda_graph import DecodeGraphs, RecomputeBackend
+
+    for module in (norm, attention):
+        monkeypatch.setattr(module, "on_kernel_path", lambda x: True)
+    tensors = {
+        name: QTensor.from_float(source.tensors[name].dequantize(torch.float32))
+        for name in source.tensors
+    }
+    model = build_model(dataclasses.replace(source, tensors=tensors))  # a copy to cut
+    model.layers = model.layers[:2]
+    eager = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    eager.use_graphs = False
+    graphed = DraftModelProposer(model, num_blocks=16, block_size=BS)
+
+    def forward(ids, pos, attn):
+        return model.compute_logits(model.forward(ids, pos, attn, graphed.kv))
+
+    graphed._graphs = DecodeGraphs(
+        forward, BS, 16, "cpu", buckets=(1, 2), backend=RecomputeBackend(), verify_buckets=(),
+        verify_tokens=(),
+    )  # fmt: skip
+    graphed._graphs_made = True
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    for step in range(4):
+        rids = ["a"] if step < 2 else ["a", "b"]
+        inputs = [
+            ProposalInput(r, prompts[i], outputs[r], num_drafts=3) for i, r in enumerate(rids)
+        ]
+        want, got = eager.propose(inputs), graphed.propose(inputs)
+        assert {r: p.token_ids for r, p in got.items()} == {
+            r: p.token_ids for r, p in want.items()
+        }, step
+        for r in rids:  # accept the first draft, then the "target" picks token 7
+            outputs[r] = outputs[r] + want[r].token_ids[:1] + [7]
+    assert graphed.graphs is not None and graphed.graphs.captured == (1, 2)
