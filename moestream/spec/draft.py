@@ -10,6 +10,10 @@ assignment of `num_computed`. A call runs, for all requests together, a catch-up
 each request's unseen tokens (chunked when long; a new request's whole prompt) whose last
 logits give d_0, then one single-token forward per further drafted position.
 
+On CUDA the single-token forwards (and a first forward of one token per request, the steady
+state) replay the draft model's own decode graphs (`runner.cuda_graph`, no verify graphs):
+eagerly, each forward of a small draft model is bound by the host issuing its launches.
+
 Greedy drafts are deterministic, so `Proposal.probs` is None: `rejection_sample` verifies them
 exactly at any temperature (q is one-hot). One host synchronisation per call (the drafts).
 Letters: B requests, T fed tokens, V vocabulary, K most drafts.
@@ -27,6 +31,7 @@ from moestream.config import ModelConfig
 from moestream.errors import CapacityError, ModelFormatError
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.base import CausalLM
+from moestream.runner.cuda_graph import DecodeGraphs, decode_graphs_for
 from moestream.spec.base import Proposal, ProposalInput, Proposer
 
 
@@ -73,6 +78,11 @@ class DraftModelProposer(Proposer):
         self.max_prefill_tokens = max_prefill_tokens
         self._states: dict[str, _DraftState] = {}
         self.num_forwards = 0  # forwards run so far (the picker divides measured time by it)
+        # Decode graphs over the draft pool, made at first use where the model can be captured
+        # (`decode_graphs_for`); `use_graphs` False: always eager.
+        self.use_graphs = True
+        self._graphs: DecodeGraphs | None = None
+        self._graphs_made = False
 
     @classmethod
     def from_file(
@@ -141,6 +151,7 @@ class DraftModelProposer(Proposer):
             raise RuntimeError("resize_kv with requests holding draft KV blocks")
         dtype = self.kv.dtype
         self.kv = None  # free the old pool first
+        self._graphs, self._graphs_made = None, False  # they read the old pool
         self.kv = self.model.make_kv_cache(num_blocks, self.block_size, dtype)
         self.allocator = BlockAllocator(num_blocks, self.block_size)
 
@@ -225,8 +236,37 @@ class DraftModelProposer(Proposer):
                 r.state.num_computed += chunk
                 r.pending = r.pending[chunk:]
 
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The draft model's decode graphs over its pool, or None (eager: CPU, `use_graphs`
+        off, a model that cannot be captured)."""
+        if not self._graphs_made:
+            self._graphs_made = True
+            if self.use_graphs:
+                self._graphs = decode_graphs_for(
+                    self.model, self.kv, self.block_size, verify_buckets=(), verify_tokens=()
+                )
+        return self._graphs if self.use_graphs else None
+
+    def _graph_decode(
+        self, ids: Sequence[int] | torch.Tensor, rows: list[tuple[_Row, int]]
+    ) -> torch.Tensor | None:
+        """One token per row at the given positions through the decode graphs -> logits
+        [b, V] (a view of the graphs' buffer, valid until their next run), or None when no
+        graph holds the step."""
+        graphs = self.graphs
+        if graphs is None or not 0 < len(rows) <= graphs.max_batch:
+            return None
+        self.num_forwards += 1
+        return graphs.run_decode(ids, [p for _, p in rows], [r.state.block_ids for r, _ in rows])
+
     def _forward(self, feeds: list[tuple[_Row, list[int]]], want_logits: bool) -> torch.Tensor:
         """Feed each row's tokens after its `num_computed`; logits [B, V] of each row's last."""
+        if want_logits and all(len(toks) == 1 for _, toks in feeds):
+            rows = [(r, r.state.num_computed) for r, _ in feeds]
+            logits = self._graph_decode([toks[0] for _, toks in feeds], rows)
+            if logits is not None:
+                return logits
         tokens = [t for _, toks in feeds for t in toks]
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)  # [T]
         seqs = [(r.state.num_computed, len(toks), r.state.block_ids) for r, toks in feeds]
@@ -234,6 +274,9 @@ class DraftModelProposer(Proposer):
 
     def _forward_ids(self, ids: torch.Tensor, rows: list[tuple[_Row, int]]) -> torch.Tensor:
         """One token per row (ids [b] on the device) at the given positions -> logits [b, V]."""
+        logits = self._graph_decode(ids, rows)
+        if logits is not None:
+            return logits
         return self._run(ids, [(pos, 1, r.state.block_ids) for r, pos in rows], True)
 
     def _run(
