@@ -10,9 +10,12 @@ assignment of `num_computed`. A call runs, for all requests together, a catch-up
 each request's unseen tokens (chunked when long; a new request's whole prompt) whose last
 logits give d_0, then one single-token forward per further drafted position.
 
-On CUDA the single-token forwards (and a first forward of one token per request, the steady
-state) replay the draft model's own decode graphs (`runner.cuda_graph`, no verify graphs):
-eagerly, each forward of a small draft model is bound by the host issuing its launches.
+With `use_graphs` on a CUDA device, the single-token forwards (and a first forward of one token
+per request, the steady state) replay the draft model's own decode graphs (`runner.cuda_graph`,
+no verify graphs): eagerly, each forward of a small draft model is bound by the host issuing its
+launches. Off by default: on the H200 it made forced drafting with the tiny pair 3.7-4.5x
+faster, but in the same process the n-gram, draft and auto modes that ran after it measured
+1.5-2x slower than before the change, cause not found (one round; bench/RESULTS.md).
 
 Greedy drafts are deterministic, so `Proposal.probs` is None: `rejection_sample` verifies them
 exactly at any temperature (q is one-hot). One host synchronisation per call (the drafts).
@@ -79,8 +82,9 @@ class DraftModelProposer(Proposer):
         self._states: dict[str, _DraftState] = {}
         self.num_forwards = 0  # forwards run so far (the picker divides measured time by it)
         # Decode graphs over the draft pool, made at first use where the model can be captured
-        # (`decode_graphs_for`); `use_graphs` False: always eager.
-        self.use_graphs = True
+        # (`decode_graphs_for`) when `use_graphs` (module docstring: off until a measured
+        # slowdown of the other modes is understood).
+        self.use_graphs = False
         self._graphs: DecodeGraphs | None = None
         self._graphs_made = False
 

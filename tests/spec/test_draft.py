@@ -286,6 +286,7 @@ def test_decode_graphs_give_the_eager_drafts(source, prompts, monkeypatch):
     eager = DraftModelProposer(model, num_blocks=16, block_size=BS)
     eager.use_graphs = False
     graphed = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    graphed.use_graphs = True
 
     def forward(ids, pos, attn):
         return model.compute_logits(model.forward(ids, pos, attn, graphed.kv))
