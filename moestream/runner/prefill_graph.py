@@ -8,9 +8,10 @@ the whole forward at once.
 
 A step qualifies when it holds exactly one request, feeding a prompt (or recompute) chunk of
 n > 1 tokens without drafts, and n fits the largest bucket. The chunk runs as the graph of the
-smallest bucket T >= n, with the verify graphs' layout (runner/cuda_graph.py) for one
-sequence: rows 0 .. n-1 are the real tokens at positions start .. start+n-1, rows n .. T-1 pad
-rows that repeat the last real token and position and write no K/V (slot -1); seq_lens =
+smallest bucket T >= n (powers of two below the scheduler's token budget, then the budget),
+with the verify graphs' layout (runner/cuda_graph.py) for one sequence: rows 0 .. n-1 are the
+real tokens at positions start .. start+n-1, rows n .. T-1 pad rows that repeat the last real
+token and position and write no K/V (slot -1); seq_lens =
 start + T, so the attention kernel, which takes a sequence's new tokens to be the last T of its
 seq_lens, gives real row i position start + i and sees exactly what the eager step sees. Pad
 rows' keys may lie past the sequence's blocks: the table has spare columns, every entry a valid
@@ -50,14 +51,17 @@ PrefillForward = Callable[
 
 
 def prefill_buckets(max_tokens: int, least: int = 16) -> tuple[int, ...]:
-    """Token buckets for chunks of up to `max_tokens` (the scheduler's token budget): powers of
-    two from `least`, the last the first >= max_tokens."""
+    """Token buckets for chunks of up to `max_tokens` (the scheduler's token budget): the powers
+    of two from `least` below it, then max_tokens itself (no graph is larger than the step the
+    engine's activation reserve counts)."""
     if max_tokens < 2:
         return ()
-    out = [least]
-    while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
-    return tuple(out)
+    out = []
+    b = least
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return (*out, max_tokens)
 
 
 class PrefillGraphs:

@@ -62,8 +62,9 @@ class FakeModel:
 
 def test_prefill_buckets():
     assert prefill_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert prefill_buckets(300) == (16, 32, 64, 128, 256, 512)
-    assert prefill_buckets(16) == (16,) and prefill_buckets(1) == ()
+    assert prefill_buckets(300) == (16, 32, 64, 128, 256, 300)
+    assert prefill_buckets(16) == (16,) and prefill_buckets(10) == (10,)
+    assert prefill_buckets(1) == ()
 
 
 def test_chunks_match_eager_last_row_and_kv_writes():
