@@ -21,8 +21,8 @@ per launch shape, the fastest per (type, shape), then a `DEQUANT_SHAPES` table: 
 launch shape with the least total time over its shapes, plus a per-(type, K) entry where
 another one is more than 3% faster at that K. Exits 1 when a check fails.
 
---autotune also runs Triton's autotuner over the older candidates (`dequant_mm._tuned_kernel`,
-both store orders) per (type, shape) and prints its pick: what the per-process tuning chose.
+--autotune also runs Triton's autotuner over the older candidates (`TUNE_CONFIGS`, both store
+orders) per (type, shape) and prints its pick: what the per-process tuning used to choose.
 
 --sass compiles `_dequant_kernel` for sm_90 with Triton's bundled tools (no GPU) per type and
 launch shape and prints registers per thread, spill (stack) bytes, convert_layout ops in the
@@ -33,6 +33,7 @@ evict-first), global loads and shared-memory ops.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import subprocess
 import sys
@@ -131,13 +132,34 @@ def reference_check(w: QTensor, out: torch.Tensor, slot: torch.Tensor | None) ->
     )
 
 
-def autotuned(w: QTensor, out: torch.Tensor, slot, counts) -> str:
-    """The per-process autotuner's pick (`_tuned_kernel`, timed on this call) and its time."""
+# The launch shapes the dequantizer was autotuned over per process before DEQUANT_SHAPES:
+# (rows, groups, warps), each in both store orders.
+TUNE_CONFIGS = ((8, 1, 4), (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 8), (32, 2, 8))
+
+
+@functools.cache
+def tuned_kernel():
+    """`_dequant_kernel` under Triton's autotuner over TUNE_CONFIGS, keyed by type, rows and
+    K, timed on the first call of each key: the policy DEQUANT_SHAPES replaced."""
     import triton
 
-    from moestream.kernels.dequant_mm import MAGIC, _tuned_kernel
+    from moestream.kernels.dequant_mm import _dequant_kernel
 
-    tuned = _tuned_kernel()
+    configs = [
+        triton.Config({"BLOCK_R": r, "GROUPS": g, "PLANES": p}, num_warps=w)
+        for r, g, w in TUNE_CONFIGS
+        for p in (False, True)
+    ]
+    return triton.autotune(configs, key=["R", "K", "QTYPE"], warmup=5, rep=20)(_dequant_kernel)
+
+
+def autotuned(w: QTensor, out: torch.Tensor, slot, counts) -> str:
+    """The per-process autotuner's pick (`tuned_kernel`, timed on this call) and its time."""
+    import triton
+
+    from moestream.kernels.dequant_mm import MAGIC
+
+    tuned = tuned_kernel()
     data = w.data if slot is not None else w.data[None]  # [S, N, row_bytes]
     out3 = out if out.dim() == 3 else out[None]  # [E, R, K]
     r, k = out3.shape[1], out3.shape[2]

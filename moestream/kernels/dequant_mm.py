@@ -33,7 +33,6 @@ E experts, S weight slots, k experts per token, A = T*k assignments.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -95,8 +94,6 @@ DEQUANT_SHAPES: dict[tuple[GGMLQuantizationType, int | None], DequantShape] = {
 # Byte alignment of the scale words `dequant_groups` reads as int32 (int16: 2, the float16 fields'
 # alignment, which every path needs).
 WORD_ALIGN = {T.Q4_K: 4, T.Q5_K: 4, T.Q2_K: 4}
-# The older kernel's autotuned candidates (rows, groups, warps): `_tuned_kernel` (opt-in).
-TUNE_CONFIGS = ((8, 1, 4), (8, 2, 4), (16, 1, 4), (16, 2, 4), (32, 1, 8), (32, 2, 8))
 
 
 @triton.jit
@@ -206,20 +203,6 @@ def dequantize_rows(
 def _interpreter_shape(k: int) -> DequantShape:
     """Few, large programs: the interpreter's cost is per program, not per value."""
     return DequantShape(BLOCK_R, 2, 4)
-
-
-@functools.cache
-def _tuned_kernel() -> triton.runtime.Autotuner:
-    """Opt-in (bench/dequant_sweep.py --autotune): `_dequant_kernel` under Triton's autotuner
-    over TUNE_CONFIGS in both store orders, keyed by type, rows and K, timed on the first call
-    of each key in the process. `dequantize_rows` does not use it (fixed DEQUANT_SHAPES)."""
-    configs = [
-        triton.Config({"BLOCK_R": r, "GROUPS": g, "PLANES": p}, num_warps=w)
-        for r, g, w in TUNE_CONFIGS
-        for p in (False, True)
-    ]
-
-    return triton.autotune(configs, key=["R", "K", "QTYPE"], warmup=5, rep=20)(_dequant_kernel)
 
 
 def cache_values(w: QTensor, dtype: torch.dtype) -> int:
