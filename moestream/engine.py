@@ -288,7 +288,7 @@ class Engine:
 
     def _propose_drafts(self, speculator: Speculator) -> None:
         requests = [r for r in self.scheduler.running if self._may_speculate(r.request_id)]
-        speculator.draft(requests, self._base_tokens())
+        speculator.draft(requests, self._base_tokens)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

@@ -48,6 +48,9 @@ class SpecConfig:
     further); the estimated extra time of all tries stays within `explore_budget` of the
     measured time. `min_gain`: relative speed-up the picker needs before it prefers
     speculation to plain decode. `ema_alpha`: weight of a new acceptance observation.
+    `idle_budget`: share of the step time that proposal rounds drafting nothing may cost in
+    host work (proposers, picker): while rounds draft nothing, whole rounds are skipped to stay
+    within it (`Speculator.draft`; 0: never skip).
     `always`: skip the picker and draft as many tokens as the first proposer with a proposal
     gives (up to max_k) at every decode step: for tests and acceptance measurements (tau and
     acceptance by position at a fixed k), not for speed.
@@ -63,6 +66,7 @@ class SpecConfig:
     explore_budget: float = 0.01
     min_gain: float = 0.03
     ema_alpha: float = 0.2
+    idle_budget: float = 0.02
     always: bool = False
 
     def __post_init__(self) -> None:
@@ -87,6 +91,8 @@ class SpecConfig:
             raise RequestError(f"explore_budget must be in [0, 1), got {self.explore_budget}")
         if not 0 <= self.min_gain < 1:
             raise RequestError(f"min_gain must be in [0, 1), got {self.min_gain}")
+        if not 0 <= self.idle_budget < 1:
+            raise RequestError(f"idle_budget must be in [0, 1), got {self.idle_budget}")
         if not 0 < self.ema_alpha <= 1:
             raise RequestError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
 

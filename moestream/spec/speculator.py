@@ -4,8 +4,9 @@ the verify pass feeds the measured step time and the accepted lengths back."""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -14,6 +15,10 @@ from moestream.spec.ngram import NgramProposer
 from moestream.spec.picker import Candidate, Choice, Picker
 from moestream.spec.stats import SpecStats
 from moestream.types import Request, StepPlan
+
+# Most proposal rounds skipped in a row while rounds draft nothing (`Speculator.draft`): bounds
+# how long a request that starts to repeat itself waits for its first n-gram drafts.
+IDLE_MAX_SKIP = 32
 
 
 class Speculator:
@@ -48,6 +53,8 @@ class Speculator:
         self._pending: dict[str, Choice] = {}  # drafts handed out, awaiting verification
         self._probs: dict[str, Any] = {}
         self.draft_forward_seconds = 0.0  # draft-model forwards of the last `propose`
+        self._skip = 0  # proposal rounds left to skip (`draft`)
+        self._round_ids: set[str] = set()  # requests of the last round that proposed
 
     @classmethod
     def from_config(
@@ -88,17 +95,43 @@ class Speculator:
         return cls(config, proposers)
 
     # ---- proposing -------------------------------------------------------------------------
-    def draft(self, requests: Iterable[Request], base_tokens: int | None = None) -> None:
+    def draft(
+        self,
+        requests: Iterable[Request],
+        base_tokens: int | Callable[[], int] | None = None,
+    ) -> None:
         """Set `draft_token_ids` of each running request whose next step is a decode (one
-        token left to feed) to this step's proposal, or [] for plain decode."""
-        requests = list(requests)
+        token left to feed) to this step's proposal, or [] for plain decode. `base_tokens`:
+        as in `propose`, or a function giving it (called only by rounds that propose).
+
+        A round costs host work (proposers, picker) whatever it decides. Where a step takes a
+        fraction of a millisecond (small models on a GPU) that work alone can make a workload
+        slower than plain decode, so while rounds draft nothing, whole rounds are skipped:
+        after an empty round that took h seconds of host work at a measured plain step time t,
+        the next ceil(h / (idle_budget * t)) - 1 rounds (at most `IDLE_MAX_SKIP`) propose
+        nothing, keeping idle rounds within `SpecConfig.idle_budget` of the step time. A
+        request that decodes for the first time since the last round, or a round that drafts,
+        ends the skipping. Proposers catch up on the skipped tokens at the next round."""
+        start = time.perf_counter()
+        self.draft_forward_seconds = 0.0
         inputs = []
+        new_request = False
         for req in requests:
             req.draft_token_ids = []
             room = req.sampling_params.max_tokens - req.num_output_tokens - 1
             if req.is_finished or req.num_tokens - req.num_computed_tokens != 1 or room < 1:
                 continue
-            inputs.append(
+            new_request = new_request or req.request_id not in self._round_ids
+            inputs.append((req, room))
+        if self._skip > 0 and not new_request:
+            self._skip -= 1
+            self.stats.record_plain(len(inputs))
+            return
+        self._round_ids = {req.request_id for req, _ in inputs}
+        if callable(base_tokens):
+            base_tokens = base_tokens()
+        proposals = self.propose(
+            [
                 ProposalInput(
                     req.request_id,
                     req.prompt_token_ids,
@@ -106,11 +139,19 @@ class Speculator:
                     num_drafts=min(self.config.max_k, room),
                     temperature=req.sampling_params.temperature,
                 )
-            )
-        proposals = self.propose(inputs, base_tokens)
-        by_id = {req.request_id: req for req in requests} if proposals else {}
+                for req, room in inputs
+            ],
+            base_tokens,
+        )
+        by_id = {req.request_id: req for req, _ in inputs} if proposals else {}
         for rid, p in proposals.items():
             by_id[rid].draft_token_ids = list(p.token_ids)
+        self._skip = 0
+        if not proposals and inputs and not self.config.always and self.config.idle_budget > 0:
+            host = time.perf_counter() - start - self.draft_forward_seconds
+            step = self.picker.target_cost.upper(base_tokens or len(inputs))
+            rounds = math.ceil(host / (self.config.idle_budget * step))
+            self._skip = max(0, min(IDLE_MAX_SKIP, rounds) - 1)
 
     def propose(
         self, inputs: Sequence[ProposalInput], base_tokens: int | None = None
@@ -227,6 +268,7 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         """Drop every proposer's and the picker's state of `request_id`."""
+        self._round_ids.discard(request_id)
         self._pending.pop(request_id, None)
         self._probs.pop(request_id, None)
         self.picker.release(request_id)

@@ -13,9 +13,9 @@ from moestream.sched.scheduler import Scheduler
 from moestream.spec.base import SpecConfig
 from moestream.spec.ngram import NgramProposer
 from moestream.spec.picker import Candidate, Choice, Picker
-from moestream.spec.speculator import Speculator
+from moestream.spec.speculator import IDLE_MAX_SKIP, Speculator
 from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
-from moestream.types import Request, SamplingParams
+from moestream.types import Request, RequestStatus, SamplingParams
 
 
 def dense(n: int) -> float:
@@ -309,3 +309,73 @@ def test_speculator_releases_finished_requests():
     spec.observe(StepPlan(finished_ids=list(prompts)), {})
     assert spec.proposers["ngram"].num_requests == 0
     assert not spec.picker._requests
+
+
+class CountingNgram(NgramProposer):
+    """N-gram lookup that counts its rounds (calls of `propose`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rounds = 0
+
+    def propose(self, inputs):
+        self.rounds += 1
+        return super().propose(inputs)
+
+
+def counting_speculator(**kw) -> tuple[Speculator, CountingNgram]:
+    proposer = CountingNgram()
+    return Speculator(SpecConfig(mode="ngram", **kw), [proposer]), proposer
+
+
+def decoding(rid: str, prompt: list[int]) -> Request:
+    req = Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=64))
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = req.num_tokens - 1  # one token left to feed: a decode
+    return req
+
+
+def test_idle_rounds_are_skipped_within_the_budget_and_new_requests_end_the_skip():
+    spec, proposer = counting_speculator()
+    spec.record_step_time(1, 1e-9)  # any host work is far over 2% of such a step
+    a = decoding("a", [1, 2, 3, 4, 5, 6])  # no n-gram recurs: nothing to draft
+    spec.draft([a])
+    assert proposer.rounds == 1 and a.draft_token_ids == []
+    for _ in range(IDLE_MAX_SKIP - 1):  # skipped: the proposer is not called
+        a.output_token_ids.append(7 + len(a.output_token_ids))
+        a.num_computed_tokens = a.num_tokens - 1
+        spec.draft([a])
+    assert proposer.rounds == 1
+    assert spec.stats.as_dict()["plain_steps"] == IDLE_MAX_SKIP
+    b = decoding("b", [9, 8, 9, 8, 9])  # a request new since the last round ends the skip
+    spec.draft([a, b])
+    assert proposer.rounds == 2
+    # the skipped tokens were caught up: a's index knows all of its tokens
+    assert len(proposer._index["a"]) == a.num_tokens
+
+
+def test_no_skipping_when_host_work_is_small_against_the_step_or_budget_is_zero():
+    for step, kw in ((10.0, {}), (1e-9, {"idle_budget": 0.0})):
+        spec, proposer = counting_speculator(**kw)
+        spec.record_step_time(1, step)
+        a = decoding("a", [1, 2, 3, 4, 5, 6])
+        for i in range(5):
+            spec.draft([a])
+            assert proposer.rounds == i + 1
+            a.output_token_ids.append(100 + i)
+            a.num_computed_tokens = a.num_tokens - 1
+
+
+@pytest.mark.parametrize("kind", ["copy", "fresh", "partial"])
+def test_skipping_idle_rounds_on_a_fast_target_stays_exact(kind):
+    """A target step of a microsecond: rounds that draft nothing cost more than the step, so
+    most are skipped; the output stays the plain decode's and copying still drafts."""
+    prompts, truth = workload(kind)
+    spec, proposer = counting_speculator()
+    out, _ = simulate(prompts, truth, lambda n: 1e-6 * dense(n), spec)
+    assert out == truth
+    stats = spec.stats
+    if kind == "fresh":  # 150 decode steps of 3 requests, no drafts
+        assert not stats.arms and proposer.rounds < 150 / 4, proposer.rounds
+    if kind == "copy":
+        assert stats.total.tau > 1.5, stats.as_dict()

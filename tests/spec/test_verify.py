@@ -102,3 +102,37 @@ def test_verify_drafts_logprobs_match_plain_rows():
     proc = torch.log_softmax(process_logits(rows[:2], make_batch(hot * 2)), dim=-1)
     t = got.token_ids[0, 0].item()
     assert got.logprobs.logprobs[0].item() == proc[0, t].item()
+
+
+def test_runner_greedy_verification_equals_rejection_sampling(monkeypatch):
+    """`ModelRunner.sample_with_drafts` on all-argmax rows (one read-back of every row's
+    argmax, drafts accepted on the host) gives what the general path (the sampler for plain
+    rows, `rejection_sample` for drafted ones) gives, ties included."""
+    from moestream.runner import model_runner
+    from moestream.runner.model_runner import ModelRunner
+    from moestream.types import ScheduledRequest
+
+    gen = torch.Generator().manual_seed(0)
+    v = 50
+    runner = ModelRunner.__new__(ModelRunner)  # only the sampling half: no model needed
+    runner.device, runner.logits_processor = torch.device("cpu"), None
+    runner.sampler = model_runner.Sampler()
+    runner.reader = model_runner.HostReader(torch.device("cpu"))
+    for trial in range(20):
+        ks = [int(k) for k in torch.randint(0, 5, (4,), generator=gen)]
+        logits = torch.randn(sum(k + 1 for k in ks), v, generator=gen)
+        logits[:, 7] = logits[:, 3] = logits.max() + 1  # ties go to the lower id in both paths
+        logits[::2] = torch.randn(logits[::2].shape, generator=gen)
+        best = logits.argmax(-1).tolist()
+        reqs, row = [], 0
+        for i, k in enumerate(ks):
+            drafts = [(best[row + j] + (0 if (j + trial) % 3 else 1)) % v for j in range(k)]
+            reqs.append(
+                ScheduledRequest(f"r{i}", [1], 5, [0], True, drafts, SP(temperature=0), [1], [2])
+            )
+            row += k + 1
+        fast = runner.sample_with_drafts(logits, reqs).sampled
+        with monkeypatch.context() as m:
+            m.setattr(model_runner, "argmax_only", lambda params: False)
+            general = runner.sample_with_drafts(logits, reqs).sampled
+        assert fast == general, (trial, ks)
