@@ -2,12 +2,14 @@
 
     python bench/profile_steps.py MODEL.gguf [--device cuda] [--prefill 512,2048] [--batch 8]
                                   [--decode-tokens 8] [--rows 25] [--kv-cache-gib 8]
-                                  [--weight-cache-gib 0]
+                                  [--weight-cache-gib 0] [--prefix-reuse 32768:31744]
 
 Runs a warm-up of each case first (kernel compilation, autotuning, CUDA graph capture), then
 profiles it with `torch.profiler` and prints the top kernels by self device time (CPU time on a
 CPU run), with call counts, and the wall time of the profiled call. On CUDA it also prints the
-dequantizing kernel's launch shapes.
+dequantizing kernel's launch shapes. `--prefix-reuse N:S` profiles the prefill of an N-token
+prompt whose first S tokens the prefix cache holds (after a cold N-token prompt and a warm-up
+with another tail): the warm time to first token of `moestream bench --prefix-reuse`.
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ def main() -> int:
     p.add_argument(
         "--cprofile", type=int, default=0, help="also profile the host of a prefill of N tokens"
     )
+    p.add_argument(
+        "--prefix-reuse", default="", metavar="N:S",
+        help="also profile an N-token prefill whose first S tokens are cached",
+    )  # fmt: skip
     args = p.parse_args()
     llm = LLM(
         args.model,
@@ -117,6 +123,14 @@ def main() -> int:
     for n in (int(v) for v in args.prefill.split(",") if v):
         print(f"## prefill, {n} tokens (one token generated)")
         print(profiled(llm, [prompt(n)], [prompt(n)], 1, args.device, args.rows))
+    if args.prefix_reuse:
+        n, shared = (int(v) for v in args.prefix_reuse.split(":"))
+        print(f"## prefill, {n} tokens, the first {shared} cached (one token generated)")
+        cold = prompt(n)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate([cold], params)  # fills the prefix cache; not profiled
+        warm, tail = (cold[:shared] + prompt(n - shared) for _ in range(2))
+        print(profiled(llm, [warm], [tail], 1, args.device, args.rows))
     if args.cprofile:
         print(f"## host (cProfile), prefill of {args.cprofile} tokens")
         print(host_profile(llm, args.cprofile, prompt, args.device, args.rows))

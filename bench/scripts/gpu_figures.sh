@@ -29,8 +29,12 @@
 #                                        speculation
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
+#   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
+#                                        speculation; 30B-A3B decode with and without PDL;
+#                                        profiles of a warm 32k prefix-cache prefill and of
+#                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -196,6 +200,23 @@ case $part in
       -p no:cacheprovider -rf 2>&1 | tail -8 | tee "$out/pytest_gpu.txt"
     timeout 150 python3 bench/spec_figures.py --device cuda --rounds 1 --prompts 2 --tokens 128 \
       --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
+    ;;
+  where)
+    timeout 120 python3 -m pytest tests/runner/test_cuda_graph.py tests/runner/test_verify_graphs.py \
+      tests/runner/test_prefill_graphs.py tests/layers/test_q8_fusion.py -m gpu -q \
+      -p no:cacheprovider -rf 2>&1 | tail -4 | tee "$out/pytest_gpu.txt"
+    timeout 70 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
+      --json "$out/greedy.json" 2>&1 | tail -6
+    timeout 100 python3 bench/spec_figures.py --device cuda --rounds 1 --prompts 2 --tokens 128 \
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -20
+    synth qwen3-30b-a3b q30
+    for pdl in 1 0; do
+      MOESTREAM_PDL=$pdl bench "q30_pdl$pdl" 90 /tmp/q30.gguf --device cuda --kv-cache-gib 8 \
+        --prompt-lens 512 --decode-depths 0 --decode-tokens 64 --repeats 3 --concurrency 1,8
+    done
+    timeout 200 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
+      --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
+    echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -53,6 +53,7 @@ from moestream.kernels._triton_dequant import (
     split_k_target,
 )
 from moestream.kernels.ops import MMVQ_QTYPES
+from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
 MAX_M = 8
@@ -376,8 +377,9 @@ def store_q8_blocks(x, b, NB, q_row, d_row, s_row):
 
 @triton.jit
 def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, NB, stride_xm, stride_qm, stride_dm,
-                        BLOCKS: tl.constexpr):  # fmt: skip
+                        BLOCKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (row m, BLOCKS activation blocks): see `quantize_q8_ref`."""
+    pdl_start(PDL)
     m = tl.program_id(0)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
     bc = tl.minimum(b, NB - 1)[:, None, None]
@@ -398,7 +400,17 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
     s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
     if m:
         _quantize_q8_kernel[(m, triton.cdiv(nb, blocks))](
-            x, q, d, s, nb, x.stride(0), q.stride(0), d.stride(0), BLOCKS=blocks, num_warps=4
+            x,
+            q,
+            d,
+            s,
+            nb,
+            x.stride(0),
+            q.stride(0),
+            d.stride(0),
+            BLOCKS=blocks,
+            num_warps=4,
+            **pdl_args(x.device),
         )
     return Q8Act(q, d, s)
 
@@ -407,7 +419,8 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
 def _mmvq_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm, stride_wn,
                  stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr, QTYPE: tl.constexpr,
                  BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
-                 ASM: tl.constexpr):  # fmt: skip
+                 ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -546,7 +559,7 @@ def mmvq(
             a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
             stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
             BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
-            ASM=use_asm(out.device), num_warps=cfg.num_warps,
+            ASM=use_asm(out.device), num_warps=cfg.num_warps, **pdl_args(out.device),
         )  # fmt: skip
     reduce_split_k(out, dst)
     return out

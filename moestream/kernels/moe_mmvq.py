@@ -40,6 +40,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
+from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
 
@@ -156,7 +157,7 @@ def _gate_up_mmvq_kernel(
     E_ADDR, A, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
     TOPK: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr, FUSED: tl.constexpr,
-    TREE: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr,
+    TREE: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (assignment a, block of 32 F rows, K split s): gate and up rows against token
     a // TOPK's quantized activations, h = silu(g) * u, written quantized (one 32-value q8
@@ -169,6 +170,7 @@ def _gate_up_mmvq_kernel(
     counter per (a, block), count [A, F/32], zero before the launch and reset by that
     program) adds the partials in split order (fixed: no dependence on arrival order) and
     writes h. More, smaller programs for the few assignments of a decode step."""
+    pdl_start(PDL)
     a = tl.program_id(0)
     blk = tl.program_id(1)
     s = tl.program_id(2)
@@ -253,7 +255,7 @@ def _down_mmvq_kernel(
     E_ADDR, H, stride_de, stride_dn, stride_ot,
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, ROWS: tl.constexpr,
-    ADDR: tl.constexpr, ASM: tl.constexpr,
+    ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
 
@@ -268,6 +270,7 @@ def _down_mmvq_kernel(
     them into the tile's layout cost a shared-memory conversion (and a barrier) per load (seen
     in the sm_90 build). The routing weight scales each expert's block scales. With ADDR,
     expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G."""
+    pdl_start(PDL)
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -414,6 +417,7 @@ def fused_moe_mmvq(
         F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
         G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
         FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm, num_warps=cfg.up_warps,
+        **pdl_args(out.device),
     )  # fmt: skip
     chunk = _divisor_at_most(k, cfg.down_experts)
     _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
@@ -422,6 +426,6 @@ def fused_moe_mmvq(
         QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
         G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
-        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps,
+        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device),
     )  # fmt: skip
     return out

@@ -15,14 +15,16 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.mmvq import QBLOCK, Q8Act, store_q8_blocks
+from moestream.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, d_ptr, s_ptr, stride_x, stride_r, stride_o,
     stride_q, stride_d, H, eps,
-    HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RES: tl.constexpr, Q8: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_H)
     ok = i < H
@@ -78,7 +80,7 @@ def _launch_norm(
         x, res, weight, out, q, d, s, x.stride(0), res.stride(0), out.stride(0),
         q.stride(0), d.stride(0), h, eps,
         HAS_RES=residual is not None, Q8=xa is not None, BLOCK_H=block,
-        num_warps=min(8, max(1, block // 256)),
+        num_warps=min(8, max(1, block // 256)), **pdl_args(x.device),
     )  # fmt: skip
 
 
@@ -135,8 +137,9 @@ def _qk_norm_rope_kernel(
     stride_kcs, stride_kch, stride_vcs, stride_vch, eps,
     N_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, HALF: tl.constexpr,
     HALF_PAD: tl.constexpr, REST_PAD: tl.constexpr, NEOX: tl.constexpr, Q_NORM: tl.constexpr,
-    K_NORM: tl.constexpr,
+    K_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     # Program (t, h): query head h < N_HEADS (rotated in place), else KV head h - N_HEADS
     # (rotated K and V to the cache slot; none for slot < 0). Branch-free: both kinds of head
     # run the same code under masks.
@@ -256,4 +259,5 @@ def qk_norm_rope_kv(
         HALF_PAD=triton.next_power_of_2(max(half, 1)),
         REST_PAD=triton.next_power_of_2(max(d - 2 * half, 1)), NEOX=neox,
         Q_NORM=q_weight is not None, K_NORM=k_weight is not None, num_warps=1,
+        **pdl_args(q.device),
     )  # fmt: skip

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.arrival import check_counters, last_to_arrive
+from moestream.kernels.pdl import pdl_args, pdl_start
 
 BLOCK_N = 64  # context tokens per tile (one tl.dot per tile)
 NUM_SPLITS = 16  # the least number of context splits per (sequence, KV head)
@@ -181,8 +182,9 @@ def _decode_split_kernel(
     N_HEADS: tl.constexpr, REP: tl.constexpr, R_PAD: tl.constexpr, REP_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     # MERGE: 0 one split, store the output; 1 store partials (merge kernel); 2 store partials,
     # the last program of this (b, kvh) merges them.
     b = tl.program_id(0)
@@ -249,7 +251,9 @@ def _merge_splits_kernel(
     part_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_ob, stride_oh,
     N_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + b)
     _, n_used = split_bounds(seq_len, num_splits, BLOCK_N)
@@ -356,12 +360,12 @@ def paged_decode_attention(
         N_HEADS=n, REP=rep, R_PAD=max(16, rep_pad), REP_PAD=rep_pad, D=d, D_PAD=d_pad,
         KV_BLOCK=kv_block, BLOCK_N=block_n, MERGE=merge, S_PAD=s_pad,
         CHUNK=min(s_pad, max(1, 16 * num_warps // rep_pad)), DOT_F32=dot_f32, WHILE_LOOP=interpret,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )  # fmt: skip
     if merge == 1:
         _merge_splits_kernel[(b, n)](
             part, lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
             N_HEADS=n, HEADS=1, D=d, D_PAD=d_pad, BLOCK_N=block_n, S_PAD=s_pad,
-            CHUNK=min(s_pad, 32), WHILE_LOOP=interpret, num_warps=4,
+            CHUNK=min(s_pad, 32), WHILE_LOOP=interpret, num_warps=4, **pdl_args(q.device),
         )  # fmt: skip
     return out

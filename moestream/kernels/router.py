@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
+from moestream.kernels.pdl import pdl_args, pdl_start
 
 # Tokens up to which `layers.moe.route` takes `fused_route` (the counter buffer's length); above,
 # a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
@@ -68,7 +69,9 @@ def _topk_softmax_row(x, ok, e, weights_ptr, ids_ptr, t, TOPK: tl.constexpr,
 def _topk_softmax_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, stride_l,
     TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     ok = e < E
@@ -80,8 +83,9 @@ def _topk_softmax_kernel(
 def _fused_route_kernel(
     x_ptr, w_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr, E, stride_x, stride_w,
     H: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -130,7 +134,7 @@ def topk_softmax(
     _topk_softmax_kernel[(t,)](
         logits, weights, ids, e, logits.stride(0),
         TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
-        num_warps=min(4, max(1, e_pad // 128)),
+        num_warps=min(4, max(1, e_pad // 128)), **pdl_args(logits.device),
     )  # fmt: skip
     return weights, ids
 
@@ -186,6 +190,6 @@ def fused_route(
     _fused_route_kernel[(t, triton.cdiv(e, block_e))](
         x, weight, logits, counters, weights, ids, e, x.stride(0), weight.stride(0),
         H=h, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids

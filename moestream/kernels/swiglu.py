@@ -18,12 +18,15 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.mmvq import QBLOCK, Q8Act, store_q8_blocks
+from moestream.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit
 def _silu_mul_kernel(gu_ptr, h_ptr, q_ptr, d_ptr, s_ptr, F, NB, stride_gm, stride_hm, stride_qm,
-                     stride_dm, BLOCKS: tl.constexpr, Q8: tl.constexpr):  # fmt: skip
+                     stride_dm, BLOCKS: tl.constexpr, Q8: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
     """Program (row m, BLOCKS blocks of 32 values of h)."""
+    pdl_start(PDL)
     m = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
     bc = tl.minimum(b, NB - 1)[:, None, None]
@@ -69,6 +72,6 @@ def silu_mul(
         q, d, s = xa if xa is not None else (h, h, h)  # unused pointers without q8
         _silu_mul_kernel[(m, triton.cdiv(nb, blocks))](
             gu, h, q, d, s, f, nb, gu.stride(0), h.stride(0), q.stride(0), d.stride(0),
-            BLOCKS=blocks, Q8=q8, num_warps=4,
+            BLOCKS=blocks, Q8=q8, num_warps=4, **pdl_args(h.device),
         )  # fmt: skip
     return h, xa
