@@ -29,12 +29,14 @@
 #                                        speculation
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
+#   bench/scripts/gpu_figures.sh pdl     GPU tests of the PDL kernels; 30B-A3B decode with PDL and
+#                                        L2 weight prefetch, PDL only, neither; greedy GPU vs CPU
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -217,6 +219,21 @@ case $part in
     timeout 200 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
       --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
     echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
+    ;;
+  pdl)
+    timeout 150 python3 -m pytest tests/kernels/test_pdl.py tests/kernels/test_router.py \
+      tests/runner/test_cuda_graph.py tests/runner/test_verify_graphs.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -4
+    timeout 70 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
+      --json "$out/greedy.json" 2>&1 | tail -3
+    synth qwen3-30b-a3b q30
+    i=0
+    for v in "1 1" "1 0" "0 0" "1 1"; do
+      set -- $v; i=$((i + 1))
+      MOESTREAM_PDL=$1 MOESTREAM_PREFETCH=$2 bench "q30_pdl$1_pf$2_r$i" 90 /tmp/q30.gguf \
+        --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 --decode-tokens 64 \
+        --repeats 3 --concurrency 1,8 2>&1 | grep "rc=\|^| 0 \|^| 1 \|^| 8 "
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
