@@ -29,8 +29,8 @@
 #                                        speculation
 #   bench/scripts/gpu_figures.sh profile 30B-A3B: host time per decode step; top kernels of a
 #                                        512-token prefill and of decode steps at 1, 8 and 32
-#   bench/scripts/gpu_figures.sh pdl     GPU tests of the PDL kernels; 30B-A3B decode with PDL and
-#                                        L2 weight prefetch, PDL only, neither; greedy GPU vs CPU
+#   bench/scripts/gpu_figures.sh pdl     GPU tests of the PDL kernels; greedy GPU vs CPU; 30B-A3B
+#                                        decode with PDL and without, interleaved
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -228,9 +228,9 @@ case $part in
       --json "$out/greedy.json" 2>&1 | tail -3
     synth qwen3-30b-a3b q30
     i=0
-    for v in "1 1" "1 0" "0 0" "1 1"; do
-      set -- $v; i=$((i + 1))
-      MOESTREAM_PDL=$1 MOESTREAM_PREFETCH=$2 bench "q30_pdl$1_pf$2_r$i" 90 /tmp/q30.gguf \
+    for pdl in 1 0 0 1; do
+      i=$((i + 1))
+      MOESTREAM_PDL=$pdl bench "q30_pdl${pdl}_r$i" 90 /tmp/q30.gguf \
         --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 --decode-tokens 64 \
         --repeats 3 --concurrency 1,8 2>&1 | grep "rc=\|^| 0 \|^| 1 \|^| 8 "
     done

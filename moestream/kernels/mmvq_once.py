@@ -36,13 +36,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
-from moestream.kernels.pdl import (
-    group_bytes,
-    group_bytes_of,
-    pdl_args,
-    pdl_start,
-    prefetch_rows,
-)
+from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
 
@@ -187,8 +181,7 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
 def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm,
                       stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr,
                       QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
-                      G: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                      PREFETCH: tl.constexpr, LINES: tl.constexpr):  # fmt: skip
+                      G: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (BLOCK_N rows, K split): the "once" variant (module docstring). The tile is ordered
     [R, 2, MB, 4] so that M comes last among the non-contiguous dimensions: the layout gives
     the lanes to the runs, M goes to registers, and the activation tile and the weight tiles
@@ -198,19 +191,14 @@ def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stri
     conversion, one barrier). A fixed order: a row's bits do not depend on M (rows past M
     repeat row M - 1). Up to two steps are unrolled at M <= 2 (their loads can all be in
     flight); more run as a loop (unrolling six steps of 16 rows took minutes to compile; two
-    steps at M = 8 spilled). Unrolled or not, the arithmetic is the same. PREFETCH: the
-    program's weight bytes (LINES lines of 128 per row) go to L2 before the PDL wait."""
+    steps at M = 8 spilled). Unrolled or not, the arithmetic is the same."""
+    pdl_start(PDL)
     SUB: tl.constexpr = 8 if QTYPE == Q8_0 else 4  # runs per group
     R: tl.constexpr = SUB * G
     g_lo = tl.program_id(1) * GROUPS_PER_SPLIT
     g_end = g_lo + GROUPS_PER_SPLIT
     rows0 = w_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * stride_wn
     rows_last = N - 1 - tl.program_id(0) * BLOCK_N  # rows past N repeat row N - 1
-    if PREFETCH:
-        split_bytes = GROUPS_PER_SPLIT * group_bytes(QTYPE)
-        prefetch_rows(rows0 + g_lo * group_bytes(QTYPE), stride_wn, rows_last + 1, split_bytes,
-                      BLOCK_N, LINES)  # fmt: skip
-    pdl_start(PDL)
     r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
     h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
     m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[None, None, :, None]  # [1, 1, MB, 1]
@@ -256,7 +244,5 @@ def launch_mmvq_once(
         a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
         stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
         BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
-        ASM=use_asm(dst.device), num_warps=once_warps(cfg, sub),
-        LINES=triton.next_power_of_2(-(-(groups // cfg.split_k) * group_bytes_of(w.qtype) // 128)),
-        **pdl_args(dst.device, prefetch=True),
+        ASM=use_asm(dst.device), num_warps=once_warps(cfg, sub), **pdl_args(dst.device),
     )  # fmt: skip

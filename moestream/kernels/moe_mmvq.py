@@ -40,13 +40,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
-from moestream.kernels.pdl import (
-    group_bytes,
-    group_bytes_of,
-    pdl_args,
-    pdl_start,
-    prefetch_l2,
-)
+from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
 
@@ -261,8 +255,7 @@ def _down_mmvq_kernel(
     E_ADDR, H, stride_de, stride_dn, stride_ot,
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, ROWS: tl.constexpr,
-    ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    NUM_E: tl.constexpr, NUM_S: tl.constexpr, K_PAD: tl.constexpr, LINES: tl.constexpr,
+    ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
 
@@ -276,25 +269,12 @@ def _down_mmvq_kernel(
     loads would have had a register layout of their own, and moving the pointers derived from
     them into the tile's layout cost a shared-memory conversion (and a barrier) per load (seen
     in the sm_90 build). The routing weight scales each expert's block scales. With ADDR,
-    expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G.
-    PREFETCH (slot table only): the program's rows of the token's k experts (ids clamped to
-    NUM_E experts, slots to NUM_S; LINES lines of 128 bytes per row) go to L2 before the PDL
-    wait, from the router's ids (`kernels.pdl`)."""
+    expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G."""
+    pdl_start(PDL)
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nr = tl.minimum(n, H - 1).to(tl.int64)
-    if PREFETCH:
-        kj = tl.arange(0, K_PAD)
-        pe = tl.load(ids_ptr + t * TOPK + kj, mask=kj < TOPK, other=0)
-        pe = tl.minimum(tl.maximum(pe, 0), NUM_E - 1)
-        ps = tl.load(slot_ptr + pe, mask=kj < TOPK, other=0).to(tl.int64)
-        ps = tl.minimum(tl.maximum(ps, 0), NUM_S - 1)
-        p_line = tl.arange(0, LINES)[None, None, :] * 128
-        p_ok = (kj[:, None, None] < TOPK) & (p_line < (F // 256) * group_bytes(QD))
-        p_off = ps[:, None, None] * stride_de + nr[None, :, None] * stride_dn + p_line
-        prefetch_l2(d_ptr + tl.where(p_ok, p_off, 0))  # [K_PAD, BN, LINES]
-    pdl_start(PDL)
     if ROWS:
         tl.static_assert(QD == 14, "the rows tile is for Q6_K")
         nc = nr[None, None, :]  # [1, 1, BN]
@@ -331,19 +311,6 @@ def _down_mmvq_kernel(
             else:
                 y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
     tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
-
-
-def _down_prefetch(
-    down: QTensor, slot: torch.Tensor | None, f: int, k: int, device: torch.device
-) -> dict:
-    """PDL and L2-prefetch arguments of `_down_mmvq_kernel`: prefetch only through a slot
-    table (experts read by address may sit across the host link)."""
-    args = pdl_args(device, prefetch=True)
-    args["PREFETCH"] = args["PREFETCH"] and slot is not None
-    lines = triton.next_power_of_2(-(-(f // 256) * group_bytes_of(down.qtype) // 128))
-    num_e = slot.shape[0] if slot is not None else 1
-    k_pad = triton.next_power_of_2(k)
-    return {**args, "NUM_E": num_e, "NUM_S": down.data.shape[0], "K_PAD": k_pad, "LINES": lines}
 
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
@@ -459,7 +426,6 @@ def fused_moe_mmvq(
         QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
         G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
-        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps,
-        **_down_prefetch(down, slot if expert_slot is not None else None, f, k, out.device),
+        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device),
     )  # fmt: skip
     return out

@@ -7,13 +7,6 @@ it in the stream still runs; each program then waits for that kernel to finish a
 to be visible (`griddepcontrol.wait`) before it touches global memory, so the launch and the
 ramp-up overlap the previous kernel's tail instead of following it.
 
-Weights do not depend on the kernel before, so a kernel that knows its weight addresses early
-prefetches them into L2 before it waits (`prefetch_l2`, a hint: `pdl_args(device, prefetch=
-True)` sets its PREFETCH flag, off with MOESTREAM_PREFETCH=0): the previous kernel's tail and
-this one's weight reads overlap. The dense decode GEMVs and the router prefetch their rows; the
-MoE down projection its experts' rows, from the router's expert ids (complete before the gate/up
-kernel ahead of it passed its wait; a prefetch address never changes a result, only timing).
-
 Contract: a kernel launched with `launch_pdl` must call `pdl_start(PDL)` before its first global
 load or store; `pdl_args(device)` gives both the constexpr and the launch option, so they are
 never set apart. `pdl_start` also lets the next kernel launch (`griddepcontrol.launch_dependents`)
@@ -46,15 +39,11 @@ def pdl_enabled(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_args(device: torch.device, prefetch: bool = False) -> dict[str, bool]:
-    """Keyword arguments of a launch of a kernel that takes `PDL: tl.constexpr` (and, with
-    `prefetch`, `PREFETCH: tl.constexpr`): the kernel's flag and Triton's `launch_pdl` option,
-    always equal; PREFETCH only with PDL (before the wait is the point)."""
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments of a launch of a kernel that takes `PDL: tl.constexpr`: the kernel's
+    flag and Triton's `launch_pdl` option, always equal."""
     on = pdl_enabled(device)
-    args = {"PDL": on, "launch_pdl": on}
-    if prefetch:
-        args["PREFETCH"] = on and os.environ.get("MOESTREAM_PREFETCH", "1") != "0"
-    return args
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit
@@ -64,35 +53,3 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def group_bytes(QTYPE: tl.constexpr):
-    """Bytes of 256 weights of a decode GEMV type (GGML type ids: Q8_0 8, Q4_K 12, Q5_K 13,
-    Q6_K 14): 8 x 34, 144, 176, 210."""
-    return 272 if QTYPE == 8 else (144 if QTYPE == 12 else (176 if QTYPE == 13 else 210))
-
-
-def group_bytes_of(qtype: int) -> int:
-    """`group_bytes` on the host."""
-    return {8: 272, 12: 144, 13: 176, 14: 210}[int(qtype)]
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Prefetch the 128-byte lines holding `ptrs` (any shape, valid addresses) into L2: one
-    `prefetch.global.L2` per element, kept although nothing reads its result. GPU only."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def prefetch_rows(base, stride, n_rows, row_bytes, ROWS: tl.constexpr, LINES: tl.constexpr):
-    """`prefetch_l2` of n_rows (<= ROWS) rows of row_bytes bytes (<= LINES lines of 128), the
-    first at byte pointer `base`, `stride` bytes apart."""
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, LINES)[None, :] * 128
-    off = tl.where((r < n_rows) & (c < row_bytes), r.to(tl.int64) * stride + c, 0)
-    prefetch_l2(base + off)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
-from moestream.kernels.pdl import pdl_args, pdl_start, prefetch_rows
+from moestream.kernels.pdl import pdl_args, pdl_start
 
 # Tokens up to which `layers.moe.route` takes `fused_route` (the counter buffer's length); above,
 # a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
@@ -84,17 +84,11 @@ def _fused_route_kernel(
     x_ptr, w_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr, E, stride_x, stride_w,
     H: tl.constexpr, TOPK: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
     RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
-    if PREFETCH:  # the program's weight rows (H values each) to L2 before the PDL wait
-        esize: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        base = (w_ptr + tl.program_id(1) * BLOCK_E * stride_w).to(tl.pointer_type(tl.uint8))
-        n_rows = E - tl.program_id(1) * BLOCK_E
-        prefetch_rows(base, stride_w * esize, n_rows, H * esize, BLOCK_E, LINES)
-    pdl_start(PDL)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -196,8 +190,6 @@ def fused_route(
     _fused_route_kernel[(t, triton.cdiv(e, block_e))](
         x, weight, logits, counters, weights, ids, e, x.stride(0), weight.stride(0),
         H=h, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
-        LINES=triton.next_power_of_2(-(-h * weight.element_size() // 128)),
-        **pdl_args(x.device, prefetch=True),
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids
