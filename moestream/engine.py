@@ -295,6 +295,7 @@ class Engine:
         """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
         for requests that got tokens."""
         start = time.perf_counter()
+        captured = self.runner.num_captured_graphs
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
@@ -309,7 +310,10 @@ class Engine:
             # commit, plus the host work that made this step's drafts (proposers, picker; a
             # draft model's forwards are priced on their own). Where a step takes a fraction of
             # a millisecond (small models on a GPU) the host work decides whether drafts pay.
-            if result.sampled and plan.num_tokens > 0:
+            # A step that captured a CUDA graph (and compiled its kernels) took 10-100x its
+            # cost: measured, it would price that size out of the picker's reach for good.
+            timed = self.runner.num_captured_graphs == captured
+            if result.sampled and plan.num_tokens > 0 and timed:
                 seconds = time.perf_counter() - start + self._draft_host_seconds
                 spec.record_step_time(plan.num_tokens, seconds)
             t0 = time.perf_counter()

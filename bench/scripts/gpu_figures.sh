@@ -31,12 +31,14 @@
 #                                        512-token prefill and of decode steps at 1, 8 and 32
 #   bench/scripts/gpu_figures.sh pdl     GPU tests of the PDL kernels; greedy GPU vs CPU; 30B-A3B
 #                                        decode with PDL and without, interleaved
+#   bench/scripts/gpu_figures.sh fin3a   tiny-pair speculation (2 rounds); 8B figures
+#   bench/scripts/gpu_figures.sh fin3b   30B-A3B figures: prefill, decode at 0 and 32k, concurrency
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -234,6 +236,19 @@ case $part in
         --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 --decode-tokens 64 \
         --repeats 3 --concurrency 1,8 2>&1 | grep "rc=\|^| 0 \|^| 1 \|^| 8 "
     done
+    ;;
+  fin3a)
+    timeout 200 python3 bench/spec_figures.py --device cuda --rounds 2 --prompts 2 --tokens 128 \
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -16
+    synth qwen3-8b q8
+    bench q8 150 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+    ;;
+  fin3b)
+    synth qwen3-30b-a3b q30
+    bench q30 400 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

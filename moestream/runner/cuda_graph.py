@@ -231,6 +231,11 @@ class DecodeGraphs:
         return tuple(sorted({b for b, k, _ in self._graphs if k == 1}))
 
     @property
+    def num_captured(self) -> int:
+        """Graphs captured so far, decode and verify."""
+        return len(self._graphs)
+
+    @property
     def captured_decode(self) -> tuple[tuple[int, bool], ...]:
         """(bucket, short context) of the decode graphs captured so far, sorted."""
         return tuple(sorted((b, short) for b, k, short in self._graphs if k == 1))

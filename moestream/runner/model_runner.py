@@ -165,6 +165,13 @@ class ModelRunner:
         self._ahead: RunAhead | None = None
         self.run_ahead_hits = 0  # steps whose forward was already queued when planned
 
+    @property
+    def num_captured_graphs(self) -> int:
+        """CUDA graphs captured so far (decode, verify, prefill): a step that raised it paid a
+        capture (and its kernels' compilation) and is not a measure of a step's cost."""
+        n = self.graphs.num_captured if self.graphs is not None else 0
+        return n + (len(self.prefill_graphs.captured) if self.prefill_graphs is not None else 0)
+
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""
         return build_step_inputs(plan, self.block_size, self.device)

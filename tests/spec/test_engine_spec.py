@@ -475,3 +475,31 @@ def test_bench_section_plain_vs_speculative(demo_pair):
     head, rows = section.table(data)
     assert len(rows) == 2 and len(rows[0]) == len(head)
     assert len(section.metrics(data)) == 6
+
+
+def test_steps_that_capture_a_graph_are_not_timed(demo_pair, monkeypatch):
+    """A step during which the runner captured a CUDA graph (its first use of a bucket) is not
+    fed to the picker's step costs: its one-off capture would price that size out for good."""
+    from moestream.runner.model_runner import ModelRunner
+
+    def timed_steps(capturing: set[int]) -> int:
+        engine = make_engine(demo_pair)
+        engine.speculator = real_speculator(demo_pair, engine, SpecConfig(mode="ngram"))
+        calls = {"n": 0, "captured": 0}
+        execute = engine.runner.execute
+
+        def counting(plan):  # steps in `capturing` capture one graph each
+            calls["n"] += 1
+            calls["captured"] += calls["n"] in capturing
+            return execute(plan)
+
+        engine.runner.execute = counting
+        monkeypatch.setattr(
+            ModelRunner, "num_captured_graphs", property(lambda r: calls["captured"])
+        )
+        engine.add_request(prompts(demo_pair, 1)[0], SamplingParams(temperature=0, max_tokens=12))
+        while engine.has_unfinished():
+            engine.step()
+        return sum(engine.speculator.picker.target_cost._count.values())
+
+    assert timed_steps(set()) - timed_steps({1, 4, 5}) == 3
