@@ -34,12 +34,14 @@
 #   bench/scripts/gpu_figures.sh fin3a   tiny-pair speculation (2 rounds); 8B figures
 #   bench/scripts/gpu_figures.sh fin3b   30B-A3B figures: prefill, decode at 0 and 32k, concurrency
 #   bench/scripts/gpu_figures.sh spechost host profiles of the tiny pair's speculation modes
+#   bench/scripts/gpu_figures.sh after   plain decode of the tiny target before and after forced
+#                                        draft-model / n-gram drafting in the same process
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -257,6 +259,9 @@ case $part in
         > "$out/spec_host_$mode.txt" 2>&1
       grep -v "^USDT\|^$\|Ordered\|List reduced" "$out/spec_host_$mode.txt" | cut -c1-150 | head -32
     done
+    ;;
+  after)
+    timeout 200 python3 bench/spec_after_draft.py --repeats 3 2>&1 | grep -v "^USDT" | tee "$out/after.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

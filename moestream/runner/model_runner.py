@@ -170,7 +170,7 @@ class ModelRunner:
         """CUDA graphs captured so far (decode, verify, prefill): a step that raised it paid a
         capture (and its kernels' compilation) and is not a measure of a step's cost."""
         n = self.graphs.num_captured if self.graphs is not None else 0
-        return n + (len(self.prefill_graphs.captured) if self.prefill_graphs is not None else 0)
+        return n + (self.prefill_graphs.num_captured if self.prefill_graphs is not None else 0)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""

@@ -118,6 +118,10 @@ class PrefillGraphs:
         """Buckets captured so far, in increasing order."""
         return tuple(sorted(self._graphs))
 
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
     def bucket_for(self, num_tokens: int) -> int | None:
         """The smallest bucket that holds a chunk of `num_tokens` tokens, or None (one token:
         a decode step; more than the largest bucket)."""
