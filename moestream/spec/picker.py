@@ -138,6 +138,18 @@ class Picker:
             if num_accepted == num_drafts:  # all taken: a longer k may pay too, try at once
                 st.interval[arm] = self.explore_interval
                 st.since_tried[arm] = self.explore_interval - 1
+        self._update_acceptance(st, arm, num_drafts, num_accepted)
+
+    def record_shadow(self, request_id: str, arm: str, num_drafts: int, num_accepted: int) -> None:
+        """Of `num_drafts` drafts `arm` proposed for a greedy request that decoded without
+        them, the first `num_accepted` equal the tokens it then produced: what verification
+        would have accepted. Free evidence of acceptance (no try, no budget)."""
+        st = self._requests.setdefault(request_id, _RequestState())
+        self._update_acceptance(st, arm, num_drafts, num_accepted)
+
+    def _update_acceptance(
+        self, st: _RequestState, arm: str, num_drafts: int, num_accepted: int
+    ) -> None:
         ema = st.acceptance.get(arm)
         if ema is None:
             ema = st.acceptance[arm] = self.global_acceptance[arm].copy(self.ema_alpha)

@@ -54,6 +54,9 @@ class Speculator:
         self._probs: dict[str, Any] = {}
         self.draft_forward_seconds = 0.0  # draft-model forwards of the last `propose`
         self._skip = 0  # proposal rounds left to skip (`draft`)
+        # Shadow drafts (`_shadow_check`): request id -> [(arm, its output list, output length
+        # at the proposal, proposed tokens)]
+        self._shadows: dict[str, list[tuple[str, Sequence[int], int, list[int]]]] = {}
         self._round_ids: set[str] = set()  # requests of the last round that proposed
 
     @classmethod
@@ -164,6 +167,7 @@ class Speculator:
             self._probs.pop(inp.request_id, None)
         if not inputs:
             return {}
+        self._shadow_check()
         free = {
             name: p.propose(inputs) for name, p in self.proposers.items() if not p.costs_forward
         }
@@ -207,7 +211,53 @@ class Speculator:
                 self._pending[inp.request_id] = choice
                 self._probs[inp.request_id] = probs
         self.stats.record_plain(len(inputs) - len(out))
+        self._shadow_keep(inputs, free, choices)
         return out
+
+    # ---- shadow drafts ---------------------------------------------------------------------
+    # A free proposer (n-gram) proposes for every request at no cost, chosen or not. For a
+    # greedy request the tokens plain decode then produces are exactly what verification
+    # would have compared the drafts with, so a proposal the picker did not choose still
+    # measures its acceptance: it is kept, and once the request has produced the tokens that
+    # settle it (as many as drafted, or one that differs) the picker records it
+    # (`Picker.record_shadow`). The picker then knows a proposer's acceptance without trying
+    # it; tries are left to measure what verifying costs.
+
+    def _shadow_keep(
+        self,
+        inputs: Sequence[ProposalInput],
+        free: Mapping[str, Mapping[str, Proposal]],
+        choices: Mapping[str, Choice],
+    ) -> None:
+        for inp in inputs:
+            if inp.temperature > 0:
+                continue
+            chosen = choices[inp.request_id].arm
+            for name, props in free.items():
+                prop = props.get(inp.request_id)
+                if name != chosen and prop is not None and prop.token_ids:
+                    out = inp.output_token_ids
+                    entry = (name, out, len(out), list(prop.token_ids))
+                    self._shadows.setdefault(inp.request_id, []).append(entry)
+
+    def _shadow_check(self) -> None:
+        """Record every shadow proposal that the requests' new tokens now settle."""
+        for rid in list(self._shadows):
+            waiting = []
+            for entry in self._shadows[rid]:
+                arm, out, pos, drafts = entry
+                seen = out[pos : pos + len(drafts)]
+                a = 0
+                while a < len(seen) and seen[a] == drafts[a]:
+                    a += 1
+                if a < len(seen) or len(seen) == len(drafts):  # a mismatch, or all seen
+                    self.picker.record_shadow(rid, arm, len(drafts), a)
+                else:
+                    waiting.append(entry)
+            if waiting:
+                self._shadows[rid] = waiting
+            else:
+                del self._shadows[rid]
 
     def _always(self, cands: Sequence[Candidate]) -> dict[str, Choice]:
         """`SpecConfig.always`: the first proposer (in order) that can draft for a request
@@ -260,7 +310,7 @@ class Speculator:
     def release_all(self) -> None:
         """Drop the state of every request (the engine has none unfinished); measurements
         (costs, acceptance over all requests, counters) stay."""
-        ids = {*self._pending, *self.picker._requests}
+        ids = {*self._pending, *self.picker._requests, *self._shadows}
         for p in self.proposers.values():
             ids.update(p.request_ids())
         for rid in ids:
@@ -269,6 +319,7 @@ class Speculator:
     def release(self, request_id: str) -> None:
         """Drop every proposer's and the picker's state of `request_id`."""
         self._round_ids.discard(request_id)
+        self._shadows.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._probs.pop(request_id, None)
         self.picker.release(request_id)

@@ -379,3 +379,31 @@ def test_skipping_idle_rounds_on_a_fast_target_stays_exact(kind):
         assert not stats.arms and proposer.rounds < 150 / 4, proposer.rounds
     if kind == "copy":
         assert stats.total.tau > 1.5, stats.as_dict()
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_unchosen_ngram_proposals_measure_acceptance_against_the_plain_tokens(right):
+    """The picker declines (verification not yet measured), yet the n-gram proposal it did
+    not choose is checked against the tokens the request then produced: acceptance rises when
+    they match and falls when they do not. Sampled requests are not checked."""
+    spec, proposer = counting_speculator()
+    spec.record_step_time(1, 1.0)  # one size measured: drafts priced out, no idle skipping
+    a = decoding("a", [5, 6, 7, 8, 9, 5, 6, 7])  # the n-gram proposes 8, 9, 5, 6
+    hot = decoding("hot", [5, 6, 7, 8, 9, 5, 6, 7])
+    hot.sampling_params = SamplingParams(temperature=0.8, max_tokens=64)
+    prior = spec.picker.acceptance("a", "ngram")
+    spec.draft([a, hot])
+    assert a.draft_token_ids == [] and proposer.rounds == 1
+    for t in [8, 9, 5, 6] if right else [4, 4, 4, 4]:
+        a.output_token_ids.append(t)
+        hot.output_token_ids.append(t)
+    a.num_computed_tokens = a.num_tokens - 1
+    hot.num_computed_tokens = hot.num_tokens - 1
+    spec.draft([a, hot])
+    after = spec.picker.acceptance("a", "ngram")
+    if right:
+        assert after[3] > prior[3] and after[0] > prior[0]
+    else:
+        assert after[0] < prior[0]
+    assert spec.picker.acceptance("hot", "ngram") == spec.picker.global_acceptance["ngram"].curve()
+    assert "hot" not in spec.picker._requests or not spec.picker._requests["hot"].acceptance
