@@ -36,12 +36,13 @@
 #   bench/scripts/gpu_figures.sh spechost host profiles of the tiny pair's speculation modes
 #   bench/scripts/gpu_figures.sh after   plain decode of the tiny target before and after forced
 #                                        draft-model / n-gram drafting in the same process
+#   bench/scripts/gpu_figures.sh spec30  30B-A3B: plain against --speculative auto (n-gram) in one run
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -262,6 +263,11 @@ case $part in
     ;;
   after)
     timeout 200 python3 bench/spec_after_draft.py --repeats 3 2>&1 | grep -v "^USDT" | tee "$out/after.txt"
+    ;;
+  spec30)
+    synth qwen3-30b-a3b q30
+    bench q30spec 280 /tmp/q30.gguf --device cuda --kv-cache-gib 8 --speculative auto \
+      --prompt-lens 512 --decode-depths 0 --decode-tokens 128 --repeats 3
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
