@@ -287,7 +287,9 @@ class Engine:
         return max(1, min(n, self.sched_config.max_num_batched_tokens))
 
     def _propose_drafts(self, speculator: Speculator) -> None:
-        requests = [r for r in self.scheduler.running if self._may_speculate(r.request_id)]
+        requests = self.scheduler.running
+        if self.runner.logits_processor is not None:
+            requests = [r for r in requests if self._may_speculate(r.request_id)]
         speculator.draft(requests, self._base_tokens)
 
     # ---- the step ----------------------------------------------------------------------

@@ -329,7 +329,7 @@ def counting_speculator(**kw) -> tuple[Speculator, CountingNgram]:
 
 
 def decoding(rid: str, prompt: list[int]) -> Request:
-    req = Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=64))
+    req = Request(rid, list(prompt), SamplingParams(temperature=0, max_tokens=256))
     req.status = RequestStatus.RUNNING
     req.num_computed_tokens = req.num_tokens - 1  # one token left to feed: a decode
     return req
