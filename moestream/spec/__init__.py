@@ -17,11 +17,12 @@ How the engine uses it (moestream/engine.py):
 
 The runner gives a request with k drafts k + 1 logits rows (its last fed token, then each
 draft) and verifies all such requests together (`verify.verify_drafts`, which pads them to
-the largest k and calls `sampling.rejection_sample` with each request's own k); plain decodes
-of the same step are sampled as without speculation. Every current proposer drafts
-deterministically (`Proposal.probs` None), which rejection sampling verifies exactly at any
-temperature. K/V of rejected drafts are never read: they lie past the request's
-`num_computed_tokens`, and the next step overwrites them.
+the largest k and calls `sampling.rejection_sample` with each request's own k; when every row
+needs only an argmax, the runner reads all rows' argmax back at once and accepts on the host,
+the same choices); plain decodes of the same step are sampled as without speculation. Every
+current proposer drafts deterministically (`Proposal.probs` None), which rejection sampling
+verifies exactly at any temperature. K/V of rejected drafts are never read: they lie past the
+request's `num_computed_tokens`, and the next step overwrites them.
 """
 
 from moestream.spec.base import (

@@ -14,6 +14,11 @@ B / t(n0) by `min_gain`. Untried sizes are priced pessimistically for speculatio
 optimistically for plain decode (`StepCostModel.upper/lower`), so the picker speculates only
 on measured gains.
 
+Acceptance also comes without tries: a free proposer (n-gram) proposes for every greedy
+request whether chosen or not, and the speculator checks an unchosen proposal against the
+tokens plain decode then produced, which are what verification would have compared it with
+(`record_shadow`). Tries are then needed mostly to measure what verifying costs.
+
 Exploration keeps the estimates alive and measures untried sizes. An arm available to a
 request whose drafts have not been tried beyond the picker's own choice for `explore_interval`
 of its steps is tried once with a longer k (the longest whose estimated extra cost fits). Each
