@@ -39,6 +39,10 @@ from dataclasses import dataclass, field
 
 from moestream.spec.stats import AcceptanceEMA, StepCostModel
 
+# Tries of a free proposer at its full draft length taken outside the exploration budget while
+# that step size is untimed (`Picker._first_try`): one may capture a CUDA graph (not timed).
+FIRST_TRIES = 3
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -111,6 +115,7 @@ class Picker:
         self.explore_spent = 0.0  # estimated extra seconds of exploration so far
         self._unsettled: list[tuple[str, int, int, float]] = []  # last step's (arm, k, n0, cost)
         self._tries: dict[str, int] = {}  # request id -> n0 of its try awaiting verification
+        self._first_tries: dict[str, int] = {}  # free arm -> tries taken outside the budget
         self._requests: dict[str, _RequestState] = {}
 
     # ---- measurements --------------------------------------------------------------------
@@ -271,6 +276,21 @@ class Picker:
             extra += k * self.draft_time(arm, 1)
         return max(0.0, extra)
 
+    def _first_try(self, arm: str, n: int) -> bool:
+        """Whether a try of a free arm (no model forwards) that verifies n tokens goes ahead
+        outside the budget: while a step of n tokens has never been timed, up to
+        `FIRST_TRIES` per arm. One verify step prices every draft length up to it; before
+        it is timed, the linear bound prices drafting out and the budget would allow only
+        short tries for a long while. (A first step that captures a CUDA graph is not timed,
+        hence more than one.) None with a zero budget: no exploration at all."""
+        if not self.explore_budget or arm in self.draft_cost or n in self.target_cost.measured():
+            return False
+        taken = self._first_tries.get(arm, 0)
+        if taken >= FIRST_TRIES:
+            return False
+        self._first_tries[arm] = taken + 1
+        return True
+
     def _settle(self) -> None:
         """Re-price the previous step's tries now that their step time is measured."""
         for arm, k, n0, charged in self._unsettled:
@@ -302,8 +322,9 @@ class Picker:
             for _, _, arm, own_k, most in sorted(stale):  # the most overdue first
                 budget = self.explore_budget * self.time_measured - self.explore_spent
                 k = most
-                while k > own_k and self._explore_cost(arm, k, n0) > budget:
-                    k -= 1
+                if not self._first_try(arm, n0 + most):
+                    while k > own_k and self._explore_cost(arm, k, n0) > budget:
+                        k -= 1
                 if k > own_k:
                     choices[c.request_id] = Choice(arm, k, explore=True)
                     cost = self._explore_cost(arm, k, n0)

@@ -12,7 +12,7 @@ from moestream.errors import RequestError
 from moestream.sched.scheduler import Scheduler
 from moestream.spec.base import SpecConfig
 from moestream.spec.ngram import NgramProposer
-from moestream.spec.picker import Candidate, Choice, Picker
+from moestream.spec.picker import FIRST_TRIES, Candidate, Choice, Picker
 from moestream.spec.speculator import IDLE_MAX_SKIP, Speculator
 from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
 from moestream.types import Request, RequestStatus, SamplingParams
@@ -74,7 +74,7 @@ def test_k_is_limited_by_the_proposal_and_the_request():
 
 
 def test_untried_sizes_are_priced_pessimistically():
-    p = Picker(("ngram",), 4, prior=[0.99] * 4)
+    p = Picker(("ngram",), 4, prior=[0.99] * 4, explore_budget=0.0)  # pricing only: no tries
     p.record_step_time(1, 1.0)
     assert choose_one(p) == Choice()  # 5 tokens may cost 5x: unknown is not cheap
     p.record_step_time(5, 1.1)
@@ -106,9 +106,13 @@ def test_exploration_schedule_backs_off_and_is_budgeted():
     explored = [step for step in range(64) if choose_one(p).explore]
     assert explored == [0, 8, 24, 40, 56]  # at once, then after 8, 16, 16, 16 steps
     assert all(choose_one(p, available=0).arm is None for _ in range(40))  # no match: no try
-    # with no measured time there is no budget for exploring
+    # with no measured time there is no budget for exploring, beyond the first tries of a
+    # free arm at its full length while that step size is untimed
     broke = Picker(("ngram",), 4, explore_interval=1)
-    assert not any(choose_one(broke).explore for _ in range(10))
+    tries = [choose_one(broke) for _ in range(40)]
+    assert [c for c in tries if c.explore] == [Choice("ngram", 4, explore=True)] * FIRST_TRIES
+    broke.record_step_time(5, 1.0)
+    assert not any(choose_one(broke).explore for _ in range(40))
 
 
 def test_exploration_climbs_k_while_it_pays():
@@ -122,8 +126,9 @@ def test_exploration_climbs_k_while_it_pays():
             p.record_verification("a", "ngram", c.k, c.k)  # everything is accepted
         choices.append(c)
     ks = [c.k for c in choices]
-    # plain until the budget allows a try, then one draft, then (all accepted) the longest
-    assert ks[:2] == [0, 0] and ks[2] == 1 and ks[3:] == [4] * 37
+    # a first try at the full length (its step size untimed); plain decode while one token is
+    # untimed (priced optimistically); then, all accepted, the longest
+    assert choices[0] == Choice("ngram", 4, explore=True) and ks[1:] == [0] + [4] * 38
     assert choices[-1] == Choice("ngram", 4)  # the picker's own choice by now, not a try
 
 
@@ -387,7 +392,8 @@ def test_unchosen_ngram_proposals_measure_acceptance_against_the_plain_tokens(ri
     not choose is checked against the tokens the request then produced: acceptance rises when
     they match and falls when they do not. Sampled requests are not checked."""
     spec, proposer = counting_speculator()
-    spec.record_step_time(1, 1.0)  # one size measured: drafts priced out, no idle skipping
+    for n in range(1, 12):  # every size timed, linear: drafting never pays; no idle skipping
+        spec.record_step_time(n, 2.0 * n)
     a = decoding("a", [5, 6, 7, 8, 9, 5, 6, 7])  # the n-gram proposes 8, 9, 5, 6
     hot = decoding("hot", [5, 6, 7, 8, 9, 5, 6, 7])
     hot.sampling_params = SamplingParams(temperature=0.8, max_tokens=64)
