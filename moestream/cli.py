@@ -95,10 +95,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--weight-cache-gib",
         type=float,
-        default=0.0,
-        help="keep bf16 copies of up to N GiB of quantized weights (resident experts first) so "
-        "that prefill and batched decode (16+ tokens) skip dequantizing them; batch-1 decode "
-        "still reads the quantized weights (CUDA; default 0: none)",
+        default=None,
+        help="keep dequantized copies of up to N GiB of quantized weights so that matmuls skip "
+        "dequantizing them. CUDA: bf16 copies (resident experts first) for prefill and batched "
+        "decode (16+ tokens); batch-1 decode still reads the quantized weights (default 0: "
+        "none). CPU: copies in the model's dtype for every matmul (default 4 GiB); 0: none",
     )
     g.add_argument(
         "--deterministic",

@@ -35,6 +35,9 @@ from moestream.types import SamplingParams
 from moestream.weights.loader import open_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Dequantized weight copies kept on the CPU by default (`LLM(weight_cache_gib=None)`): every CPU
+# matmul otherwise dequantizes its weight, ~70% of a demo-model decode step.
+CPU_WEIGHT_CACHE_GIB = 4.0
 
 
 def default_model_path() -> Path:
@@ -122,7 +125,9 @@ class LLM:
     device budget on the device, the rest in pinned host memory the GPU reads in place
     (`experts.zero_copy`). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
     weights on a GPU (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip
-    dequantizing them: memory for prefill speed; decode and results are unchanged.
+    dequantizing them: memory for prefill speed; decode and results are unchanged. On the CPU
+    it keeps copies in the model's dtype for every matmul (None, the default: up to
+    `CPU_WEIGHT_CACHE_GIB`; on a GPU None is 0); results keep their bits.
     """
 
     def __init__(
@@ -147,7 +152,7 @@ class LLM:
         enforce_eager: bool = False,
         deterministic: bool = False,
         expert_zero_copy: bool = False,
-        weight_cache_gib: float = 0.0,
+        weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
         self.device = resolve_device(device)
@@ -186,9 +191,11 @@ class LLM:
             attach_expert_store(self.model, self.expert_store)
         else:
             self.model = build_model(self.source, device=self.device, dtype=act)
+        if weight_cache_gib is None:
+            weight_cache_gib = CPU_WEIGHT_CACHE_GIB if self.device.type == "cpu" else 0.0
         if weight_cache_gib < 0:
             raise RequestError(f"weight_cache_gib must be >= 0, got {weight_cache_gib}")
-        # bf16 copies for prefill-size matmuls, taken before the KV pool is sized from what is left
+        # dequantized copies, taken before the KV pool is sized from what is left
         self.weight_cache_bytes = self.model.cache_weight_values(int(weight_cache_gib * 2**30))
         self.engine = Engine(
             self.model,

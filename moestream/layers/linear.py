@@ -78,8 +78,13 @@ def linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     n, k = w.shape
     x2 = x.reshape(-1, k)  # [M, K]
     rows = max(1, SLICE_VALUES // k)
+    values = w.values_in(x.dtype)  # cached dequantized values: the same numbers, no work
     if n <= rows:
-        y = rowwise_matmul(x2, w.dequantize(x.dtype).t())  # [M, N]
+        wd = values if values is not None else w.dequantize(x.dtype)
+        y = rowwise_matmul(x2, wd.t())  # [M, N]
+    elif values is not None:
+        parts = [rowwise_matmul(x2, values[i : i + rows].t()) for i in range(0, n, rows)]
+        y = torch.cat(parts, dim=1)  # [M, N]
     else:
         parts = [rowwise_matmul(x2, s.dequantize(x.dtype).t()) for s in _row_slices(w, rows)]
         y = torch.cat(parts, dim=1)  # [M, N]

@@ -45,7 +45,7 @@ class StackedExperts:
             gate_exps.shape[0], dtype=torch.int32, device=gate_exps.device
         )
         # Per-expert views, made once (slicing a QTensor validates it: not free per call).
-        self._views = [(gate_exps[e], up_exps[e], down_exps[e]) for e in range(gate_exps.shape[0])]
+        self.refresh_views()
 
     @property
     def num_experts(self) -> int:
@@ -53,6 +53,13 @@ class StackedExperts:
 
     def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
         return self._views[e]
+
+    def refresh_views(self) -> None:
+        """Remake the per-expert views, e.g. after the stacks got cached values
+        (`QTensor.values`), which a view then shares."""
+        self._views = [
+            (self.gate_exps[e], self.up_exps[e], self.down_exps[e]) for e in range(self.num_experts)
+        ]
 
     def stacked(self) -> tuple[QTensor, QTensor, QTensor]:
         return self.gate_exps, self.up_exps, self.down_exps

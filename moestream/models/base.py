@@ -206,6 +206,14 @@ class CausalLM:
         )
 
     def cache_weight_values(self, budget_bytes: int) -> int:
+        """Keep dequantized copies of quantized weights within `budget_bytes`: on the CPU for
+        every matmul (`_cache_cpu_values`), elsewhere for the kernel path's prefill-size
+        matmuls (`cache_kernel_values`). Returns the bytes used."""
+        if self.device.type == "cpu":
+            return self._cache_cpu_values(budget_bytes)
+        return self.cache_kernel_values(budget_bytes)
+
+    def cache_kernel_values(self, budget_bytes: int) -> int:
         """Keep bf16 (the model's dtype) copies of quantized weights for prefill-size matmuls,
         layer by layer while `budget_bytes` lasts: resident expert stacks first (the MoE's
         grouped GEMM then skips dequantizing them each step), then attention and dense FFN
@@ -232,6 +240,44 @@ class CausalLM:
                 size = math.prod(w.shape) * probe.element_size()
                 if w.values is None and _use_kernels(probe, w) and used + size <= budget_bytes:
                     used += cache_values(w, self.dtype)
+        return used
+
+    def _cache_cpu_values(self, budget_bytes: int) -> int:
+        """The CPU's every matmul dequantizes its weight (the reference dequantization, then a
+        float product): keep the dequantized values instead, in the model's dtype, layer by
+        layer while `budget_bytes` lasts (experts, router, dense FFN, attention), then the
+        output head.
+        The products read the same values, so every result keeps its bits. Returns the bytes
+        used."""
+        from moestream.layers.moe import StackedExperts
+
+        used = 0
+        if budget_bytes <= 0:
+            return used
+
+        def keep(w: QTensor) -> bool:
+            nonlocal used
+            size = math.prod(w.shape) * self.dtype.itemsize
+            if w.is_float or w.values is not None or used + size > budget_bytes:
+                return False
+            w.values = w.dequantize(self.dtype)
+            used += size
+            return True
+
+        for layer in self.layers:
+            ffn, attn = layer.ffn, layer.attn
+            experts = getattr(ffn, "experts", None)
+            if isinstance(experts, StackedExperts) and all(map(keep, experts.stacked())):
+                experts.refresh_views()
+            router = getattr(ffn, "router", None)
+            if isinstance(router, QTensor):
+                keep(router)
+            if isinstance(ffn, GatedMLP):
+                for w in (ffn.gate, ffn.up, ffn.down):
+                    keep(w)
+            for w in [p.weight for p, _ in attn.projections] + [attn.o_proj.weight]:
+                keep(w)
+        keep(self.lm_head)
         return used
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -39,8 +39,9 @@ class QTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # logical shape, torch order
     # An optional copy of the dequantized values in an activation dtype, [*shape], on the same
-    # device (`kernels.dequant_mm.cache_values`): large matmuls read it instead of dequantizing
-    # on every call. Not carried by `to` or indexing.
+    # device (`kernels.dequant_mm.cache_values`; on the CPU `CausalLM.cache_weight_values`):
+    # matmuls read it instead of dequantizing on every call. Indexing carries its slice; `to`
+    # does not carry it.
     values: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,7 +80,8 @@ class QTensor:
         """Slice along the first (outer) dimension, e.g. one expert of a stacked [E, out, in]."""
         if len(self.shape) < 2:
             raise IndexError("cannot index a 1-D QTensor")
-        return QTensor(self.data[index], self.qtype, self.shape[1:])
+        values = self.values[index] if self.values is not None else None
+        return QTensor(self.data[index], self.qtype, self.shape[1:], values)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The reference dequantization (torch, vectorized) to `dtype`, logical shape."""

@@ -1,4 +1,4 @@
-"""`CausalLM.cache_weight_values`: which weights get bf16 (here float32) copies, in what order,
+"""`CausalLM.cache_kernel_values`: which weights get bf16 (here float32) copies, in what order,
 within the budget. The kernel-path check is forced so that it runs on the CPU (the copies are
 made by the dequantizing kernel under the Triton interpreter)."""
 
@@ -20,13 +20,13 @@ from moestream.llm import LLM  # noqa: E402
 
 
 def test_cache_weight_values_fills_layers_in_order_within_budget(monkeypatch):
-    model = LLM(DEMO_MODEL, device="cpu").model
-    assert model.cache_weight_values(1 << 40) == 0  # CPU tensors: not on the kernel path
+    model = LLM(DEMO_MODEL, device="cpu", weight_cache_gib=0).model
+    assert model.cache_kernel_values(1 << 40) == 0  # CPU tensors: not on the kernel path
     kernel_weight = lambda w: w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0  # noqa: E731
     monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: all(map(kernel_weight, ws)))
     first = model.layers[0].ffn.experts.stacked()
     budget = sum(math.prod(w.shape) * 4 for w in first)  # layer 0's experts, float32
-    used = model.cache_weight_values(budget)
+    used = model.cache_kernel_values(budget)
     assert used == budget
     for w in first:
         assert w.values is not None and w.values.dtype == torch.float32
