@@ -602,19 +602,18 @@ def main() -> int:
     l2_mib = props.L2_cache_size >> 20
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_mib} MiB")
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write)\n")
-    if args.sweep_moe_mmq or args.sweep_moe_host:
-        if args.sweep_moe_mmq:
-            sweep_moe_mmq(gen, copy_gbs)
-        if args.sweep_moe_host:
-            sweep_moe_host(gen, copy_gbs)
-        return 0
     if args.time_align:
         return 1 if time_align(gen) else 0
-    if args.sweep or args.sweep_moe:
-        if args.sweep:
-            sweep(gen, copy_gbs)
-        if args.sweep_moe:
-            sweep_moe(gen, copy_gbs)
+    sweeps = [
+        (args.sweep, sweep),
+        (args.sweep_moe, sweep_moe),
+        (args.sweep_moe_mmq, sweep_moe_mmq),
+        (args.sweep_moe_host, sweep_moe_host),
+    ]
+    if any(on for on, _ in sweeps):
+        for on, run in sweeps:
+            if on:
+                run(gen, copy_gbs)
         return 0
     header = ("kernel", "shape", "qtype", "dtype", "max rel err", "us", "GB/s", "% copy", "TFLOP/s")
     print("| " + " | ".join(header) + " |")

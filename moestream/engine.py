@@ -297,12 +297,12 @@ class Engine:
         """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
         for requests that got tokens."""
         start = time.perf_counter()
-        captured = self.runner.num_captured_graphs
+        spec = self._speculator
+        captured = self.runner.num_captured_graphs if spec is not None else 0
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
         result = self.runner.execute(plan)
-        spec = self._speculator
         if spec is not None:
             spec.observe(plan, result.sampled)  # acceptance and releases
         outputs = self._commit(plan, result)

@@ -41,7 +41,13 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
     """Keyword arguments of a launch of a kernel that takes `PDL: tl.constexpr`: the kernel's
-    flag and Triton's `launch_pdl` option, always equal."""
+    flag and Triton's `launch_pdl` option, always equal (one dict per device and setting, made
+    once: this runs at every eager launch)."""
+    return _launch_args(device, os.environ.get("MOESTREAM_PDL", "1"))
+
+
+@functools.cache
+def _launch_args(device: torch.device, _setting: str) -> dict[str, bool]:
     on = pdl_enabled(device)
     return {"PDL": on, "launch_pdl": on}
 

@@ -153,6 +153,34 @@ def _prefill_tile(
 
 
 @triton.jit
+def _prefill_span(
+    q, m_i, l_i, acc, lo, hi, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
+    EVEN_D: tl.constexpr, BT_TILE: tl.constexpr, WHILE_LOOP: tl.constexpr,
+):  # fmt: skip
+    """`_prefill_tile` over the tiles starting at lo, lo + BLOCK_N, ... below hi. WHILE_LOOP:
+    a while loop (the interpreter cannot range() over loaded values), else a range."""
+    if WHILE_LOOP:
+        t0 = lo
+        while t0 < hi:
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, MASK,
+                EVEN_D, BT_TILE,
+            )  # fmt: skip
+            t0 += BLOCK_N
+    else:
+        for t0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile(
+                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, MASK,
+                EVEN_D, BT_TILE,
+            )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_lens_ptr, out_ptr, scale_log2e,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -201,35 +229,16 @@ def _prefill_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    if WHILE_LOOP:  # the interpreter cannot range() over loaded values
-        t0 = end * 0
-        while t0 < full_end:
-            m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, False,
-                EVEN_D, BT_TILE,
-            )  # fmt: skip
-            t0 += BLOCK_N
-        while t0 < end:
-            m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, True,
-                EVEN_D, BT_TILE,
-            )  # fmt: skip
-            t0 += BLOCK_N
-    else:
-        for t0 in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, False,
-                EVEN_D, BT_TILE,
-            )  # fmt: skip
-        for t0 in range(full_end, end, BLOCK_N):
-            m_i, l_i, acc = _prefill_tile(
-                q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
-                stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, True,
-                EVEN_D, BT_TILE,
-            )  # fmt: skip
+    m_i, l_i, acc = _prefill_span(
+        q, m_i, l_i, acc, 0, full_end, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+        stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, False, EVEN_D,
+        BT_TILE, WHILE_LOOP,
+    )  # fmt: skip
+    m_i, l_i, acc = _prefill_span(
+        q, m_i, l_i, acc, full_end, end, end, pos, bt_row, k_base, v_base, d, d_ok,
+        scale_log2e, stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32,
+        True, EVEN_D, BT_TILE, WHILE_LOOP,
+    )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

@@ -79,15 +79,12 @@ def linear(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     x2 = x.reshape(-1, k)  # [M, K]
     rows = max(1, SLICE_VALUES // k)
     values = w.values_in(x.dtype)  # cached dequantized values: the same numbers, no work
-    if n <= rows:
-        wd = values if values is not None else w.dequantize(x.dtype)
-        y = rowwise_matmul(x2, wd.t())  # [M, N]
-    elif values is not None:
-        parts = [rowwise_matmul(x2, values[i : i + rows].t()) for i in range(0, n, rows)]
-        y = torch.cat(parts, dim=1)  # [M, N]
+    if values is not None:
+        slices = (values[i : i + rows] for i in range(0, n, rows))
     else:
-        parts = [rowwise_matmul(x2, s.dequantize(x.dtype).t()) for s in _row_slices(w, rows)]
-        y = torch.cat(parts, dim=1)  # [M, N]
+        slices = (s.dequantize(x.dtype) for s in _row_slices(w, rows))
+    parts = [rowwise_matmul(x2, wd.t()) for wd in slices]  # [M, <= rows] each
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [M, N]
     return y.reshape(*x.shape[:-1], n)
 
 

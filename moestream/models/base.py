@@ -267,8 +267,8 @@ class CausalLM:
         for layer in self.layers:
             ffn, attn = layer.ffn, layer.attn
             experts = getattr(ffn, "experts", None)
-            if isinstance(experts, StackedExperts) and all(map(keep, experts.stacked())):
-                experts.refresh_views()
+            if isinstance(experts, StackedExperts) and any([keep(w) for w in experts.stacked()]):
+                experts.refresh_views()  # the per-expert views share what the stacks got
             router = getattr(ffn, "router", None)
             if isinstance(router, QTensor):
                 keep(router)

@@ -283,7 +283,7 @@ class Picker:
         it is timed, the linear bound prices drafting out and the budget would allow only
         short tries for a long while. (A first step that captures a CUDA graph is not timed,
         hence more than one.) None with a zero budget: no exploration at all."""
-        if not self.explore_budget or arm in self.draft_cost or n in self.target_cost.measured():
+        if not self.explore_budget or arm in self.draft_cost or n in self.target_cost:
             return False
         taken = self._first_tries.get(arm, 0)
         if taken >= FIRST_TRIES:

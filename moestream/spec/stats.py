@@ -193,6 +193,10 @@ class StepCostModel:
             old = self._seconds[n]
             self._seconds[n] = old + self.alpha * (seconds - old)
 
+    def __contains__(self, n: object) -> bool:
+        """Whether steps of n have been measured."""
+        return n in self._seconds
+
     def measured(self) -> dict[int, float]:
         return {n: self._seconds[n] for n in self._sizes}
 
