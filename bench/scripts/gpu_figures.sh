@@ -37,12 +37,15 @@
 #   bench/scripts/gpu_figures.sh after   plain decode of the tiny target before and after forced
 #                                        draft-model / n-gram drafting in the same process
 #   bench/scripts/gpu_figures.sh spec30  30B-A3B: plain against --speculative auto (n-gram) in one run
+#   bench/scripts/gpu_figures.sh probe   the tiny pair's step phases per speculative mode (gc
+#                                        frozen or not); MoE and GEMV kernel timings; ncu of the
+#                                        MoE decode kernels
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -268,6 +271,20 @@ case $part in
     synth qwen3-30b-a3b q30
     bench q30spec 280 /tmp/q30.gguf --device cuda --kv-cache-gib 8 --speculative auto \
       --prompt-lens 512 --decode-depths 0 --decode-tokens 128 --repeats 3
+    ;;
+  probe)
+    for kind in copy prose; do
+      timeout 150 python3 bench/spec_phases.py --kind $kind --rounds 6 2> /dev/null \
+        | tee "$out/phases_$kind.txt"
+    done
+    timeout 150 python3 bench/spec_phases.py --kind copy --rounds 6 --freeze 2> /dev/null \
+      | tee "$out/phases_copy_freeze.txt"
+    timeout 200 python3 bench/kernels_gpu.py --only moe,mmvq 2>&1 | tee "$out/kernels.log" | tail -30
+    timeout 200 ncu --kernel-name regex:'_gate_up_mmvq_kernel|_down_mmvq_kernel' --launch-count 4 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 bench/kernels_gpu.py --only moe --quick \
+      > "$out/ncu_moe.txt" 2>&1
+    echo "[ncu rc=$?]"; grep -E "mmvq_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Memory Throughput" "$out/ncu_moe.txt" | head -40
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
