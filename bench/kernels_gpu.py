@@ -345,6 +345,40 @@ def sweep(gen, copy_gbs: float) -> None:
         torch.cuda.empty_cache()
 
 
+def sweep_router(gen, copy_gbs: float) -> None:
+    """The fused router (`router.fused_route`: logits GEMV, softmax, top-8 of 128) of
+    Qwen3-30B-A3B (float32 weight [128, 2048]) over launch shapes (programs per token, warps) at
+    T = 1 and 8, cold weights (each call reads its own copy). Each shape's picks are checked
+    against torch (softmax, topk) on the first copy."""
+    from moestream.kernels.router import fused_route, route_counters
+
+    e, h, k = E, HIDDEN, TOPK
+    c = copies_for(e * h * 4)
+    weights = torch.randn(c, e, h, device="cuda", generator=gen) / h**0.5
+    counters = route_counters(torch.device("cuda"))
+    shapes = [(64, 4), (32, 4), (128, 4), (16, 4), (128, 2), (128, 1), (64, 2), (64, 1), (32, 2),
+              (32, 8), (16, 8)]  # fmt: skip
+    for t in (1, 8):
+        xs = [torch.randn(t, h, device="cuda", generator=gen).bfloat16() for _ in range(c)]
+        want = torch.topk(torch.softmax(xs[0].float() @ weights[0].t(), -1), k, dim=-1).indices
+        print(f"router T={t} E={e} H={h} k={k}, {c} weight copies", flush=True)
+        for ppt, warps in shapes:
+            def call(i: int, ppt=ppt, warps=warps):
+                return fused_route(xs[i], weights[i], k, True, counters,
+                                   programs_per_token=ppt, num_warps=warps)  # fmt: skip
+
+            try:
+                _, ids = call(0)
+                ok = torch.equal(ids.sort(-1).values, want.sort(-1).values)
+                us = graph_time_us([lambda i=i: call(i) for i in range(c)])
+            except Exception as exc:  # a shape the compiler rejects: report, go on
+                print(f"  ppt {ppt:3d} w{warps}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            gbs = e * h * 4 / us / 1e3
+            print(f"  ppt {ppt:3d} w{warps}: {us:7.2f} us {gbs:7,.0f} GB/s "
+                  f"{'ok' if ok else 'PICKS DIFFER'}", flush=True)  # fmt: skip
+
+
 def sweep_moe(gen, copy_gbs: float) -> None:
     """The MoE "mmvq" path over its launch variants (`MoeMmvqConfig`), Qwen3-30B-A3B layer,
     Q4_K/Q6_K. T = 1: the gate/up variants (groups per step, warps, K split, gate and up in
@@ -590,6 +624,7 @@ def main() -> int:
         action="store_true",
         help="time the MoE mmvq launch shapes on half host-resident (zero-copy) experts",
     )
+    parser.add_argument("--sweep-router", action="store_true", help="time the router shapes")
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
@@ -609,6 +644,7 @@ def main() -> int:
         (args.sweep_moe, sweep_moe),
         (args.sweep_moe_mmq, sweep_moe_mmq),
         (args.sweep_moe_host, sweep_moe_host),
+        (args.sweep_router, sweep_router),
     ]
     if any(on for on, _ in sweeps):
         for on, run in sweeps:

@@ -40,12 +40,13 @@
 #   bench/scripts/gpu_figures.sh probe   the tiny pair's step phases per speculative mode (gc
 #                                        frozen or not); MoE and GEMV kernel timings; ncu of the
 #                                        MoE decode kernels
+#   bench/scripts/gpu_figures.sh probe2  router launch shapes; 30B-A3B prefix reuse at 32k
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -285,6 +286,11 @@ case $part in
       --section MemoryWorkloadAnalysis python3 bench/kernels_gpu.py --only moe --quick \
       > "$out/ncu_moe.txt" 2>&1
     echo "[ncu rc=$?]"; grep -E "mmvq_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Memory Throughput" "$out/ncu_moe.txt" | head -40
+    ;;
+  probe2)
+    timeout 120 python3 bench/kernels_gpu.py --sweep-router 2>&1 | tee "$out/sweep_router.log"
+    synth qwen3-30b-a3b q30
+    prefix
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -32,7 +32,8 @@ from moestream.kernels.pdl import pdl_args, pdl_start
 # a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
 ROUTER_MAX_T = 64
 ROUTER_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_PROGRAMS_PER_TOKEN = 64  # E / BLOCK_E, about: enough programs to read the weight in parallel
+PROGRAMS_PER_TOKEN = 64  # E / BLOCK_E, about: enough programs to read the weight in parallel
+NUM_WARPS = 4
 _TILE = 4096  # BLOCK_E x BLOCK_K values per step (32 float32 registers a thread at 4 warps)
 
 
@@ -146,10 +147,12 @@ def route_counters(device: torch.device | str) -> torch.Tensor:
     return arrival_counters(ROUTER_MAX_T, device)
 
 
-def router_tiles(e: int, h: int) -> tuple[int, int]:
+def router_tiles(
+    e: int, h: int, programs_per_token: int = PROGRAMS_PER_TOKEN
+) -> tuple[int, int]:
     """(BLOCK_E, BLOCK_K) of `fused_route` for E experts of width H: about
-    _PROGRAMS_PER_TOKEN programs per token, BLOCK_E x BLOCK_K <= _TILE. From (E, H) only."""
-    block_e = max(1, triton.next_power_of_2(e) // _PROGRAMS_PER_TOKEN)
+    `programs_per_token` programs per token, BLOCK_E x BLOCK_K <= _TILE. From (E, H) only."""
+    block_e = max(1, triton.next_power_of_2(e) // programs_per_token)
     block_k = max(16, min(triton.next_power_of_2(h), _TILE // block_e))
     return block_e, block_k
 
@@ -160,13 +163,17 @@ def fused_route(
     top_k: int,
     renormalize: bool,
     counters: torch.Tensor | None = None,
+    *,
+    programs_per_token: int = PROGRAMS_PER_TOKEN,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] float (T <= ROUTER_MAX_T, unit last stride), router weight [E, H] float32,
     float16 or bfloat16 (contiguous) -> (weights [T, k] float32, ids [T, k] int64): the
     contract of `layers.moe.topk_softmax_ref` on logits x @ weight.T computed in float32.
 
     `counters`: int32 [>= T], all zero (`route_counters`), left zero on return; made here when
-    None (one more launch)."""
+    None (one more launch). `programs_per_token` and `num_warps`: the launch shape (a token's
+    bits depend on them, never on the batch)."""
     if x.dim() != 2 or x.stride(-1) != 1 or not x.is_floating_point():
         raise ValueError(f"x must be a float [T, H] with unit last stride, got {tuple(x.shape)}")
     t, h = x.shape
@@ -185,11 +192,11 @@ def fused_route(
     if t == 0:
         return weights, ids
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)  # scratch
-    block_e, block_k = router_tiles(e, h)
+    block_e, block_k = router_tiles(e, h, programs_per_token)
     e_pad = triton.next_power_of_2(e)
     _fused_route_kernel[(t, triton.cdiv(e, block_e))](
         x, weight, logits, counters, weights, ids, e, x.stride(0), weight.stride(0),
         H=h, TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=e_pad, RENORM=renormalize,
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl_args(x.device),
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=num_warps, **pdl_args(x.device),
     )  # fmt: skip
     return weights, ids
