@@ -363,7 +363,8 @@ def sweep_router(gen, copy_gbs: float) -> None:
         want = torch.topk(torch.softmax(xs[0].float() @ weights[0].t(), -1), k, dim=-1).indices
         print(f"router T={t} E={e} H={h} k={k}, {c} weight copies", flush=True)
         for ppt, warps in shapes:
-            def call(i: int, ppt=ppt, warps=warps):
+
+            def call(i: int, ppt=ppt, warps=warps, xs=xs):
                 return fused_route(xs[i], weights[i], k, True, counters,
                                    programs_per_token=ppt, num_warps=warps)  # fmt: skip
 

@@ -147,9 +147,7 @@ def route_counters(device: torch.device | str) -> torch.Tensor:
     return arrival_counters(ROUTER_MAX_T, device)
 
 
-def router_tiles(
-    e: int, h: int, programs_per_token: int = PROGRAMS_PER_TOKEN
-) -> tuple[int, int]:
+def router_tiles(e: int, h: int, programs_per_token: int = PROGRAMS_PER_TOKEN) -> tuple[int, int]:
     """(BLOCK_E, BLOCK_K) of `fused_route` for E experts of width H: about
     `programs_per_token` programs per token, BLOCK_E x BLOCK_K <= _TILE. From (E, H) only."""
     block_e = max(1, triton.next_power_of_2(e) // programs_per_token)
