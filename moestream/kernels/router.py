@@ -7,14 +7,17 @@ topk + sum + div (four launches).
 
 `fused_route`: from the activations x [T, H] and the float router weight [E, H] (F32, F16 or
 BF16), for decode-sized batches. Grid (T, E / BLOCK_E): each program computes BLOCK_E logits of
-one token in float32 (a GEMV slice: the ~1 MB weight of Qwen3-30B-A3B is read by 64 programs at
+one token in float32 (a GEMV slice: the ~1 MB weight of Qwen3-30B-A3B is read by 128 programs at
 once, where one program per token would read it through one SM) and writes them to a scratch
 row; the last program of a token to arrive (a per-token int32 counter, bumped with an acq_rel
 atomic after a CTA barrier) resets the counter to 0 (so the next launch, or CUDA-graph replay,
 starts from 0) and runs the softmax / top-k epilogue above on the token's logits. Replaces the
 cast of x to float32, cuBLAS's dot + reduce and the top-k launch (four launches, ~9 us on an
-H200 per layer at T = 1). Each logit is summed in an order fixed by (E, H) alone: a token's
-routing does not depend on the batch.
+H200 per layer at T = 1). One warp a program: the epilogue's softmax and k rounds of argmax are
+then reductions within a warp (shuffles), where 4 warps paid a shared-memory exchange and a
+barrier for each (H200, `bench/kernels_gpu.py --sweep-router`, 2026-11-30: 4.5 us at T = 1
+against 7.7 for 64 programs of 4 warps). Each logit is summed in an order fixed by (E, H) and
+the launch shape alone: a token's routing does not depend on the batch.
 
 Letters: T tokens, H hidden, E experts, k experts per token.
 """
@@ -32,9 +35,9 @@ from moestream.kernels.pdl import pdl_args, pdl_start
 # a GEMM for the logits and `topk_softmax` (each program would re-read the weight from L2).
 ROUTER_MAX_T = 64
 ROUTER_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PROGRAMS_PER_TOKEN = 64  # E / BLOCK_E, about: enough programs to read the weight in parallel
-NUM_WARPS = 4
-_TILE = 4096  # BLOCK_E x BLOCK_K values per step (32 float32 registers a thread at 4 warps)
+PROGRAMS_PER_TOKEN = 128  # E / BLOCK_E, about: enough programs to read the weight in parallel
+NUM_WARPS = 1
+_TILE_PER_WARP = 2048  # BLOCK_E x BLOCK_K values per step and warp (64 float32 registers a thread)
 
 
 @triton.jit
@@ -147,11 +150,14 @@ def route_counters(device: torch.device | str) -> torch.Tensor:
     return arrival_counters(ROUTER_MAX_T, device)
 
 
-def router_tiles(e: int, h: int, programs_per_token: int = PROGRAMS_PER_TOKEN) -> tuple[int, int]:
+def router_tiles(
+    e: int, h: int, programs_per_token: int = PROGRAMS_PER_TOKEN, num_warps: int = NUM_WARPS
+) -> tuple[int, int]:
     """(BLOCK_E, BLOCK_K) of `fused_route` for E experts of width H: about
-    `programs_per_token` programs per token, BLOCK_E x BLOCK_K <= _TILE. From (E, H) only."""
+    `programs_per_token` programs per token, BLOCK_E x BLOCK_K <= _TILE_PER_WARP x warps. From
+    (E, H) and the launch shape only."""
     block_e = max(1, triton.next_power_of_2(e) // programs_per_token)
-    block_k = max(16, min(triton.next_power_of_2(h), _TILE // block_e))
+    block_k = max(16, min(triton.next_power_of_2(h), _TILE_PER_WARP * num_warps // block_e))
     return block_e, block_k
 
 
@@ -190,7 +196,7 @@ def fused_route(
     if t == 0:
         return weights, ids
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)  # scratch
-    block_e, block_k = router_tiles(e, h, programs_per_token)
+    block_e, block_k = router_tiles(e, h, programs_per_token, num_warps)
     e_pad = triton.next_power_of_2(e)
     _fused_route_kernel[(t, triton.cdiv(e, block_e))](
         x, weight, logits, counters, weights, ids, e, x.stride(0), weight.stride(0),

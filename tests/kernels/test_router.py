@@ -75,7 +75,8 @@ def top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     "t, experts, k, h, wdtype",
     [(1, 128, 8, 256, torch.float32), (3, 128, 8, 256, torch.bfloat16),
-     (1, 64, 4, 512, torch.float16), (3, 64, 4, 512, torch.float32)],
+     (1, 64, 4, 512, torch.float16), (3, 64, 4, 512, torch.float32),
+     (2, 256, 8, 4096, torch.float32)],  # 2 experts a program, 4 K steps (one warp)
 )  # fmt: skip
 def test_fused_route_matches_reference(t, experts, k, h, wdtype):
     x, w = router_case(t, experts, h, seed=t + experts, wdtype=wdtype)
@@ -90,6 +91,15 @@ def test_fused_route_matches_reference(t, experts, k, h, wdtype):
     assert not counters.any()  # the last program of each token reset its counter
     again = fused_route(x, w, k, True, counters)  # the counters serve the next launch
     assert torch.equal(again[0], weights) and torch.equal(again[1], ids)
+
+
+def test_fused_route_launch_shapes_pick_the_same_experts():
+    x, w = router_case(3, 128, 512, seed=5, wdtype=torch.float32)
+    want = top_ids(logits_f32(x.cpu(), w.cpu()), 8)
+    for ppt, warps in ((128, 1), (64, 4), (16, 8), (32, 2)):
+        weights, ids = fused_route(x, w, 8, True, programs_per_token=ppt, num_warps=warps)
+        assert torch.equal(ids.cpu(), want), (ppt, warps)
+        assert torch.allclose(weights.sum(-1).cpu(), torch.ones(3))
 
 
 def test_fused_route_ties_and_no_renormalisation():
