@@ -41,12 +41,15 @@
 #                                        frozen or not); MoE and GEMV kernel timings; ncu of the
 #                                        MoE decode kernels
 #   bench/scripts/gpu_figures.sh probe2  router launch shapes; 30B-A3B prefix reuse at 32k
+#   bench/scripts/gpu_figures.sh ab3     GPU tests of the router and the dequantize path; 30B-A3B
+#                                        decode with the router's old and new launch shape,
+#                                        interleaved; prefix reuse at 32k
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -290,6 +293,22 @@ case $part in
   probe2)
     timeout 120 python3 bench/kernels_gpu.py --sweep-router 2>&1 | tee "$out/sweep_router.log"
     synth qwen3-30b-a3b q30
+    prefix
+    ;;
+  ab3)
+    timeout 200 python3 -m pytest tests/kernels/test_dequant_mm.py tests/kernels/test_router.py \
+      tests/kernels/test_swiglu.py -q -p no:cacheprovider 2>&1 | tail -3
+    synth qwen3-30b-a3b q30
+    # the router's launch shape before (64 programs of 4 warps) and now, interleaved
+    old='import moestream.kernels.router as r; r.fused_route.__kwdefaults__.update(programs_per_token=64, num_warps=4); '
+    for shape in old new old new; do
+      pre=""; [[ $shape == old ]] && pre=$old
+      timeout 150 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
+        --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$shape" > /tmp/r/ab.log 2>&1
+      echo "[router $shape rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
+      cp "/tmp/r/ab_$shape/result.json" "$out/ab_router_$shape.json" 2>/dev/null
+    done
     prefix
     ;;
   q8) synth qwen3-8b q8; q8 ;;

@@ -24,8 +24,11 @@ contract of `ops.quant_matmul_ref` and of the other kernel paths.
 - `dequant_matmul`: dense y = x @ W.T, N chunked so the bf16 scratch stays under SCRATCH_BYTES.
 - `moe_dequant_grouped`: the MoE FFN for many tokens: assignments grouped by expert
   (`moe.align_assignments`), one grouped GEMM for gate and up together (their weights stacked as
-  [E, 2F, H]), SiLU, one grouped GEMM for down, the routing-weighted sum over k in a fixed order
-  (deterministic, no atomics). No host sync: CUDA-graph-capturable.
+  [E, 2F, H]), SiLU and the product in one launch (`swiglu.silu_mul`), one grouped GEMM for
+  down, then the routing-weighted sum over k in a fixed order straight from the grouped rows
+  (`moe_combine`: one launch, where gathering the rows, widening them to float32, weighting
+  and summing them in torch wrote and re-read ~200 MB a layer at 1,024 tokens). Deterministic
+  (no atomics), no host sync: CUDA-graph-capturable.
 
 Letters: M rows, N output features, K input features; T tokens, H hidden, F expert FFN,
 E experts, S weight slots, k experts per token, A = T*k assignments.
@@ -52,6 +55,7 @@ from moestream.kernels._triton_dequant import (
     plane_k_offsets,
 )
 from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES as SCRATCH_BYTES
+from moestream.kernels.swiglu import silu_mul
 from moestream.weights.qtensor import QTensor
 
 BLOCK_R = 32  # weight rows per dequantizing program on the CPU (the interpreter); and the
@@ -247,6 +251,71 @@ def grouped_mm_available(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+@triton.jit
+def _moe_combine_kernel(y_ptr, row_ptr, w_ptr, out_ptr, H, stride_y, stride_o,
+                        TOPK: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Program (token t, BLOCK_H columns): out[t] = sum_j w[t, j] * y[row[t k + j]] in float32,
+    j = 0 .. k-1 in order (a token's bits depend on its own rows only)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(TOPK):
+        r = tl.load(row_ptr + t * TOPK + j).to(tl.int64)
+        w = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
+        acc += w * tl.load(y_ptr + r * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _moe_gather_kernel(x_ptr, ids_ptr, out_ptr, A, H, stride_x, stride_o,
+                       TOPK: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Program (grouped row r, BLOCK_H columns): out[r] = x[ids[r] // k], zeros where
+    ids[r] >= A (a padding row)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    a = tl.load(ids_ptr + r).to(tl.int64)
+    row = tl.load(x_ptr + (a // TOPK) * stride_x + cols, mask=ok & (a < A), other=0.0)
+    tl.store(out_ptr + r * stride_o + cols, row, mask=ok)
+
+
+def moe_gather(x: torch.Tensor, sorted_ids: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[R, H]: row r the token of grouped assignment sorted_ids[r] (x's row sorted_ids[r] // k),
+    zeros for padding entries (ids >= T * k), in one launch."""
+    t, h = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty((sorted_ids.shape[0], h), dtype=x.dtype, device=x.device)
+    if out.shape[0] and h:
+        block_h = min(1024, triton.next_power_of_2(h))
+        _moe_gather_kernel[(out.shape[0], triton.cdiv(h, block_h))](
+            x, sorted_ids, out, t * top_k, h, x.stride(0), out.stride(0),
+            TOPK=top_k, BLOCK_H=block_h, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def moe_combine(
+    y: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out [T, H] = sum_j topk_weights[t, j] * y[rows[t * k + j]] (y [R, H], unit last stride;
+    rows [T * k] int; topk_weights [T, k]), float32 sums over j in order, one launch."""
+    t, k = topk_weights.shape
+    h = y.shape[1]
+    if rows.shape != (t * k,) or out.shape != (t, h) or y.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(
+            f"moe_combine: y {tuple(y.shape)}, rows {tuple(rows.shape)}, weights [{t}, {k}], "
+            f"out {tuple(out.shape)}"
+        )
+    if t:
+        block_h = min(1024, triton.next_power_of_2(h))
+        _moe_combine_kernel[(t, triton.cdiv(h, block_h))](
+            y, rows.contiguous(), topk_weights.contiguous(), out, h, y.stride(0), out.stride(0),
+            TOPK=k, BLOCK_H=block_h, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def moe_dequant_grouped(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -287,9 +356,7 @@ def moe_dequant_grouped(
     counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [groups], no sync
     sorted_ids, _ = align_assignments(ids, groups, ALIGN_M, counts)  # [R]
-    valid = sorted_ids < a  # [R]
-    row_token = torch.where(valid, sorted_ids // k, 0).long()
-    xs = x[row_token] * valid[:, None].to(x.dtype)  # [R, H], padding rows zero
+    xs = moe_gather(x, sorted_ids, k)  # [R, H], padding rows zero
     blocks = (counts + ALIGN_M - 1) // ALIGN_M
     offs = (torch.cumsum(blocks, 0) * ALIGN_M).to(torch.int32)  # [groups] end row of each
     if from_cache:
@@ -304,11 +371,9 @@ def moe_dequant_grouped(
         w_d = torch.empty((e, h, f), dtype=x.dtype, device=x.device)
         dequantize_rows(down, w_d, expert_slot, counts)
         gu = torch._grouped_mm(xs, w_gu.transpose(1, 2), offs=offs)  # [R, 2F]
-        hidden = F.silu(gu[:, :f]) * gu[:, f:]  # [R, F] in x's dtype
+        hidden, _ = silu_mul(gu)  # [R, F] in x's dtype
     y = torch._grouped_mm(hidden, w_d.transpose(1, 2), offs=offs)  # [R, H]
     # row of each assignment in the grouped order, then the weighted sum over k in order
     row_of = torch.empty(a + 1, dtype=torch.long, device=x.device)
     row_of.scatter_(0, sorted_ids.long(), torch.arange(sorted_ids.numel(), device=x.device))
-    ya = y[row_of[:a]].float().view(t, k, h)  # [T, k, H]
-    out.copy_((ya * topk_weights.float()[..., None]).sum(dim=1))
-    return out
+    return moe_combine(y, row_of[:a], topk_weights, out)

@@ -180,7 +180,9 @@ def test_moe_dequant_grouped_matches_reference(dtype):
     moe_dequant_grouped(x, ids, weights, gate, up, down, slot, out=out)
     ref = ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)
     err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-    assert err < (1e-5 if dtype == torch.float32 else 2e-2)
+    # bfloat16: a few ulps (2^-8 of the largest value each); the Triton interpreter truncates
+    # float32 to bfloat16 where the GPU rounds to nearest, so the CPU run sits a little higher
+    assert err < (1e-5 if dtype == torch.float32 else 3e-2)
     again = fused_moe(x, ids, weights, gate, up, down, slot, method="dequant")
     assert torch.equal(again, out)  # deterministic: no atomics
     assert default_method(1025, gate, up, down, x) == "dequant"
@@ -248,3 +250,34 @@ def test_large_layers_skip_the_uncached_bf16_copies(monkeypatch):
     monkeypatch.setattr(moe, "DEQUANT_MAX_SCRATCH_BYTES", 3 * 256 * 256 * 4 * 2 - 1)
     assert default_method(1025, gate, up, down, x, num_experts=2) == "gemm"
     assert default_method(1025, gate, up, down, x, num_experts=1) == "dequant"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_combine_sums_each_tokens_rows_in_order(dtype):
+    """out[t] = sum_j w[t, j] * y[rows[t k + j]]: against torch in float64; the rows are a
+    permutation with padding rows y never names, H not a power of two (masked columns)."""
+    from moestream.kernels.dequant_mm import moe_combine
+
+    g = torch.Generator().manual_seed(12)
+    t, k, h = 5, 3, 200
+    y = torch.randn(t * k + 4, h, generator=g).to(DEVICE, dtype)
+    rows = torch.randperm(t * k + 4, generator=g)[: t * k].to(DEVICE)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1).to(DEVICE)
+    out = torch.full((t, h), float("nan"), dtype=dtype, device=DEVICE)
+    moe_combine(y, rows, w, out)
+    ref = (y.double()[rows].view(t, k, h) * w.double()[..., None]).sum(1)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="moe_combine"):
+        moe_combine(y, rows[:-1], w, out)
+
+
+def test_moe_gather_takes_each_assignments_token_and_zeros_padding():
+    from moestream.kernels.dequant_mm import moe_gather
+
+    t, k, h = 4, 2, 200
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    ids = torch.tensor([3, 8, 0, 7, 8, 8, 5, 1, 2], dtype=torch.int32, device=DEVICE)  # 8: pad
+    got = moe_gather(x, ids, k)
+    want = torch.where((ids < t * k)[:, None], x[(ids.long() % (t * k)) // k], 0.0)
+    assert torch.equal(got, want)
