@@ -380,6 +380,40 @@ def sweep_router(gen, copy_gbs: float) -> None:
                   f"{'ok' if ok else 'PICKS DIFFER'}", flush=True)  # fmt: skip
 
 
+def sweep_moe_once(gen, copy_gbs: float) -> None:
+    """The MoE "mmvq" path's gate/up as the "once" kernel (`MoeMmvqConfig.up_once`: rows per
+    program, groups per step, warps) against the default, Qwen3-30B-A3B layer, Q4_K/Q6_K and
+    Q4_K/Q4_K, T = 1 and 8; whole-layer times (gate/up and down)."""
+    from dataclasses import replace
+
+    from moestream.kernels.moe_mmvq import MoeMmvqConfig
+
+    default = MoeMmvqConfig()
+    once = [
+        replace(default, up_once=True, up_block_n=n, up_groups=g, up_warps=w)
+        for n in (4, 8, 16, 32)
+        for g, w in ((8, 2), (4, 1))
+    ]
+    for mix in ((T.Q4_K, T.Q6_K), (T.Q4_K, T.Q4_K)):
+        for t in (1, 8):
+            rows = []
+            for cfg in [default, *once]:
+                try:
+                    r = bench_moe(t, mix, torch.bfloat16, "mmvq", gen=gen, mmvq_cfg=cfg)
+                except Exception as exc:  # a config the compiler rejects: report, go on
+                    print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                    continue
+                rows.append((r.us, cfg, r))
+                name = "default" if cfg == default else (
+                    f"once n{cfg.up_block_n} g{cfg.up_groups} w{cfg.up_warps}")  # fmt: skip
+                gbs = r.nbytes / r.us / 1e3
+                print(f"  {mix[0].name}/{mix[1].name} T={t} {r.us:8.1f} us {gbs:6,.0f} GB/s "
+                      f"err {r.err:.1e}  {name}", flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+            best = min(rows, key=lambda x: x[0])
+            print(f"  best {best[0]:.1f} us: {best[1]}\n", flush=True)
+
+
 def sweep_moe(gen, copy_gbs: float) -> None:
     """The MoE "mmvq" path over its launch variants (`MoeMmvqConfig`), Qwen3-30B-A3B layer,
     Q4_K/Q6_K. T = 1: the gate/up variants (groups per step, warps, K split, gate and up in
@@ -625,6 +659,7 @@ def main() -> int:
         action="store_true",
         help="time the MoE mmvq launch shapes on half host-resident (zero-copy) experts",
     )
+    parser.add_argument("--sweep-moe-once", action="store_true", help="MoE once gate/up")
     parser.add_argument("--sweep-router", action="store_true", help="time the router shapes")
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
     args = parser.parse_args()
@@ -646,6 +681,7 @@ def main() -> int:
         (args.sweep_moe_mmq, sweep_moe_mmq),
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
+        (args.sweep_moe_once, sweep_moe_once),
     ]
     if any(on for on, _ in sweeps):
         for on, run in sweeps:

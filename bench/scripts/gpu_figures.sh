@@ -44,12 +44,13 @@
 #   bench/scripts/gpu_figures.sh ab3     GPU tests of the router and the dequantize path; 30B-A3B
 #                                        decode with the router's old and new launch shape,
 #                                        interleaved; prefix reuse at 32k
+#   bench/scripts/gpu_figures.sh once    GPU tests of the MoE mmvq path; the "once" gate/up sweep
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -310,6 +311,11 @@ case $part in
       cp "/tmp/r/ab_$shape/result.json" "$out/ab_router_$shape.json" 2>/dev/null
     done
     prefix
+    ;;
+  once)
+    timeout 200 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider -k mmvq \
+      2>&1 | tail -3
+    timeout 300 python3 bench/kernels_gpu.py --sweep-moe-once 2>&1 | tee "$out/sweep_moe_once.log"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -40,6 +40,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
+from moestream.kernels.mmvq_once import _once_step
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
@@ -57,7 +58,11 @@ class MoeMmvqConfig:
     tile of `mmvq.acc_runs`). Where a split or chunk does not divide H / 256 or k, the largest
     divisor below it is taken. `up_tree`, `down_tree`: a kernel's per-step reductions as
     `mmvq.tree_sum`'s pairwise tree, else a plain `tl.sum` (`_row_sums`; both batch
-    invariant; the unfused gate/up always takes trees, the "rows" tile always plain sums)."""
+    invariant; the unfused gate/up always takes trees, the "rows" tile always plain sums).
+    `up_once`: gate/up by `_gate_up_once_kernel` instead (activations loaded once per K step
+    and shared by `up_block_n` gate and as many up rows, the dense "once" kernel's step;
+    `up_groups` groups per step, `up_warps` capped as `mmvq_once.once_warps` caps them;
+    `up_split` and `up_fused` unused)."""
 
     # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`bench/kernels_gpu.py --sweep-moe`, 2026-11-30,
     # bench/RESULTS.md): 26.7 us at T = 1 and 123.2 us at T = 8, against 34.5 / 172.9 for the
@@ -74,8 +79,12 @@ class MoeMmvqConfig:
     down_rows: bool = True
     up_tree: bool = False
     down_tree: bool = False
+    up_once: bool = False
+    up_block_n: int = 4
 
     def __post_init__(self) -> None:
+        if self.up_block_n not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"MoeMmvqConfig.up_block_n must divide 32, got {self.up_block_n}")
         for name in ("up_groups", "up_split", "down_block_n", "down_groups", "down_experts"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -137,7 +146,12 @@ def _gate_up_rows(g_rows, u_rows, xq, xd, xs, g_lo, GROUPS: tl.constexpr, QG: tl
 def _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
     """h = silu(g) * u ([1, 32], F rows blk * 32 ..) rounded to one q8 block of assignment a's
     row of hq [A, F/4], hd and hs [A, F/32] (`mmvq.quantize_q8_ref`)."""
-    h = g * tl.sigmoid(g) * u  # [1, 32]
+    _store_q8(g * tl.sigmoid(g) * u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+
+
+@triton.jit
+def _store_q8(h, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
+    """h [1, 32] (F rows blk * 32 ..) rounded to one q8 block, as `_store_h_q8`."""
     amax = tl.max(tl.abs(h))
     inv = tl.where(amax > 0, tl.math.div_rn(127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
     q = tl.floor(h * inv + 0.5).to(tl.int32)  # [1, 32]
@@ -205,6 +219,77 @@ def _gate_up_mmvq_kernel(
                 g += tl.load(part_ptr + ((2 * j) * A + a64) * F + cols, cache_modifier=".cg")
                 u += tl.load(part_ptr + ((2 * j + 1) * A + a64) * F + cols, cache_modifier=".cg")
             _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+
+
+@triton.jit
+def _once_rows(parts, rows0, stride_n, QTYPE: tl.constexpr, G: tl.constexpr,
+               H_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, xq, xd, xs,
+               ASM: tl.constexpr):  # fmt: skip
+    """parts [R, 2, 1, BLOCK_N] plus the K steps of BLOCK_N rows (rows0 + i * stride_n) of one
+    token's activations: `mmvq_once._once_step` at M = 1, G groups per step."""
+    SUB: tl.constexpr = 8 if QTYPE == 8 else 4
+    R: tl.constexpr = SUB * G
+    r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
+    h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
+    m = tl.arange(0, 1)[None, None, :, None]  # [1, 1, 1, 1]
+    j = tl.arange(0, 4)[None, None, None, :]  # [1, 1, 1, 4]
+    for i in tl.static_range(0, H_GROUPS, G):
+        sb = i + r // SUB
+        parts = _once_step(parts, rows0, BLOCK_N - 1, stride_n, sb, r, h, m, j, sb < H_GROUPS,
+                           xq + m, xd + m, xs + m, QTYPE, BLOCK_N, ASM)  # fmt: skip
+    return parts
+
+
+@triton.jit(do_not_specialize=["A"])  # one build at every T: a token's bits must not depend on T
+def _gate_up_once_kernel(
+    xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr, addr_ptr,
+    hf_ptr, count_ptr,
+    E_ADDR, A, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, ADDR: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (assignment a, block of BLOCK_N F rows): the block's gate and up rows over the
+    whole of K against token a // TOPK's activations, loaded once per K step and shared by
+    the rows (`mmvq_once._once_step`), each row's partials summed by `mmvq.tree_sum`; then
+    h = silu(g) * u. With BLOCK_N = 32, h is written quantized (one q8 block); with fewer rows
+    the program stores h as float32 in hf [A, F], and the last of the 32 / BLOCK_N programs of
+    a q8 block to arrive (an arrival counter per (a, block), count [A, F/32], zero before the
+    launch and reset by that program) reads the block back and writes it quantized. Experts as
+    in `_gate_up_mmvq_kernel` (slot table, or ADDR byte addresses)."""
+    pdl_start(PDL)
+    a = tl.program_id(0)
+    nb = tl.program_id(1)
+    eid = tl.load(ids_ptr + a)
+    if ADDR:
+        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
+        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
+    else:
+        slot = tl.load(slot_ptr + eid).to(tl.int64)
+        g_base = g_ptr + slot * stride_ge
+        u_base = u_ptr + slot * stride_ue
+    t = (a // TOPK).to(tl.int64)
+    xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+    n0 = (nb * BLOCK_N).to(tl.int64)  # F is a multiple of 256: no tail
+    RG: tl.constexpr = (8 if QG == 8 else 4) * G
+    RU: tl.constexpr = (8 if QU == 8 else 4) * G
+    pg = _once_rows(tl.zeros([RG, 2, 1, BLOCK_N], tl.float32), g_base + n0 * stride_gn,
+                    stride_gn, QG, G, H_GROUPS, BLOCK_N, xq, xd, xs, ASM)  # fmt: skip
+    pu = _once_rows(tl.zeros([RU, 2, 1, BLOCK_N], tl.float32), u_base + n0 * stride_un,
+                    stride_un, QU, G, H_GROUPS, BLOCK_N, xq, xd, xs, ASM)  # fmt: skip
+    g = tree_sum(tl.permute(pg, (2, 3, 0, 1)), 1, BLOCK_N, 2 * RG)  # [1, BLOCK_N]
+    u = tree_sum(tl.permute(pu, (2, 3, 0, 1)), 1, BLOCK_N, 2 * RU)
+    h = g * tl.sigmoid(g) * u
+    blk = (nb * BLOCK_N) // 32
+    if BLOCK_N == 32:
+        _store_q8(h, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+    else:
+        a64 = a.to(tl.int64)
+        tl.store(hf_ptr + a64 * F + n0 + tl.arange(0, BLOCK_N)[None, :], h)
+        if last_to_arrive(count_ptr + a64 * (F // 32) + blk, 32 // BLOCK_N):
+            cols = blk * 32 + tl.arange(0, 32)[None, :]  # [1, 32]
+            h32 = tl.load(hf_ptr + a64 * F + cols, cache_modifier=".cg")
+            _store_q8(h32, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
 
 
 @triton.jit
@@ -394,31 +479,50 @@ def fused_moe_mmvq(
         or any(v.stride(-1) != 1 or v.device != x.device for v in xa)
     ):
         raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
-    split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
     hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
     hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
     hs = torch.empty_like(hd)
-    part = count = hd  # unused pointers without a split
-    if split > 1:
-        part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
-        if counters is None:
-            counters = mmvq_counters(a, f, x.device)
-        check_counters(counters, a * (f // 32), x.device)
-        count = counters
     use_addr = expert_addr is not None
     addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
     n_addr = expert_addr.shape[1] if use_addr else 0
     slot = expert_slot if expert_slot is not None else topk_ids  # likewise
     asm = use_asm(x.device)
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
-    _gate_up_mmvq_kernel[(a, f // 32, split)](
-        xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
-        n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
-        F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
-        G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
-        FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm, num_warps=cfg.up_warps,
-        **pdl_args(out.device),
-    )  # fmt: skip
+    if cfg.up_once:
+        block_n = cfg.up_block_n
+        hf = count = hd  # unused pointers when a program writes whole q8 blocks
+        if block_n < 32:
+            hf = torch.empty((a, f), dtype=torch.float32, device=x.device)
+            if counters is None:
+                counters = mmvq_counters(a, f, x.device)
+            check_counters(counters, a * (f // 32), x.device)
+            count = counters
+        groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
+        sub = min(8 if q == GGMLQuantizationType.Q8_0 else 4 for q in (gate.qtype, up.qtype))
+        _gate_up_once_kernel[(a, f // block_n)](
+            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
+            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
+            F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, G=groups,
+            BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
+            num_warps=max(1, min(cfg.up_warps, sub * groups // 16)), **pdl_args(out.device),
+        )  # fmt: skip
+    else:
+        split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
+        part = count = hd  # unused pointers without a split
+        if split > 1:
+            part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
+            if counters is None:
+                counters = mmvq_counters(a, f, x.device)
+            check_counters(counters, a * (f // 32), x.device)
+            count = counters
+        _gate_up_mmvq_kernel[(a, f // 32, split)](
+            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
+            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
+            F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+            G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
+            FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
+            num_warps=cfg.up_warps, **pdl_args(out.device),
+        )  # fmt: skip
     chunk = _divisor_at_most(k, cfg.down_experts)
     _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
         hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr,

@@ -278,6 +278,18 @@ MMVQ_VARIANTS = [
         8,
         1,
     ),
+    (  # gate/up "once": 8 rows a program, the last of a q8 block's 4 programs quantizes it
+        MoeMmvqConfig(up_once=True, up_block_n=8, up_groups=2, down_block_n=512),
+        (T.Q4_K, T.Q6_K, T.Q4_K),
+        3,
+        1,
+    ),
+    (  # gate/up "once": a whole q8 block a program, one group per K step, mixed types
+        MoeMmvqConfig(up_once=True, up_block_n=32, up_groups=1, down_block_n=512),
+        (T.Q8_0, T.Q5_K, T.Q6_K),
+        1,
+        3,
+    ),
 ]
 
 
@@ -332,8 +344,37 @@ def test_fused_moe_mmvq_split_leaves_counters_zero_and_takes_quantized_x():
         fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters[:3])
 
 
+def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
+    """The "once" gate/up's last-arriver epilogue resets its counters; experts found by
+    address give the same bits as the stacks' slots."""
+    gate = stacked(T.Q4_K, (2, FF, H2), seed=40)
+    up = stacked(T.Q4_K, (2, FF, H2), seed=41)
+    down = stacked(T.Q6_K, (2, H2, FF), seed=42)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(43)).to(DEVICE)
+    ids = torch.tensor([[1, 0]], device=DEVICE)
+    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
+    cfg = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=2, down_block_n=512)
+    counters = mmvq_counters(2, FF, DEVICE)
+    args = (x, ids, weights, gate, up, down, slot)
+    first = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
+    assert not counters.any()
+    again = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
+    assert not counters.any() and torch.equal(first, again)
+    copies = [[w.data[s].clone() for s in (1, 0)] for w in (gate, up, down)]  # expert order
+    addr = torch.tensor(
+        [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
+    )  # [3, E]
+    by_addr = fused_moe(x, ids, weights, gate, up, down, None, method="mmvq", mmvq_cfg=cfg,
+                        expert_addr=addr)  # fmt: skip
+    assert torch.equal(by_addr, first)
+    assert rel_err(first, moe_mmvq_ref(*args)) < 2e-3
+
+
 def test_moe_mmvq_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="up_split"):
         MoeMmvqConfig(up_split=3)
     with pytest.raises(ValueError, match="down_warps"):
         MoeMmvqConfig(down_warps=3)
+    with pytest.raises(ValueError, match="up_block_n"):
+        MoeMmvqConfig(up_block_n=64)
