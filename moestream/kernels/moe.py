@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels import moe_mmvq
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, fused_moe_mmvq
@@ -350,7 +351,7 @@ def fused_moe(
     addressing), each 16-byte aligned (not checked here: that would need a sync). It needs the
     "mmvq" path, and `expert_slot` may be None (it is not read).
 
-    "mmvq" only: `mmvq_cfg` its launch shape (default `MoeMmvqConfig()`); `xa` x's q8 blocks
+    "mmvq" only: `mmvq_cfg` its launch shape (default `moe_mmvq.DEFAULT_CONFIG`); `xa` x's q8 blocks
     when the caller already has them (`mmvq.quantize_q8(x)`; x then gives only shapes, dtype
     and device); `counters` the zero arrival counters of a gate/up split
     (`moe_mmvq.mmvq_counters`, left zero; a fresh buffer per call when None).
@@ -380,7 +381,7 @@ def fused_moe(
         experts = expert_slot.shape[0] if expert_slot is not None else None
         method = default_method(a, gate, up, down, x, experts)
     if method == "mmvq":
-        cfg = mmvq_cfg or MoeMmvqConfig()
+        cfg = mmvq_cfg or moe_mmvq.DEFAULT_CONFIG
         if block_n:
             cfg = replace(cfg, down_block_n=block_n)
         return fused_moe_mmvq(

@@ -398,6 +398,9 @@ def _down_mmvq_kernel(
     tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
+# The launch shape `moe.fused_moe` takes when given none.
+DEFAULT_CONFIG = MoeMmvqConfig()
+
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
 # some of them across the host link). H200, 30B layer with half its experts in pinned host memory
 # (`python bench/kernels_gpu.py --sweep-moe-host`, 2026-11-30): one group per K step and 8 warps

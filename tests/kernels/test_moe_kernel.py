@@ -281,14 +281,14 @@ MMVQ_VARIANTS = [
     (  # gate/up "once": 8 rows a program, the last of a q8 block's 4 programs quantizes it
         MoeMmvqConfig(up_once=True, up_block_n=8, up_groups=2, down_block_n=512),
         (T.Q4_K, T.Q6_K, T.Q4_K),
-        3,
+        2,
         1,
     ),
     (  # gate/up "once": a whole q8 block a program, one group per K step, mixed types
         MoeMmvqConfig(up_once=True, up_block_n=32, up_groups=1, down_block_n=512),
         (T.Q8_0, T.Q5_K, T.Q6_K),
         1,
-        3,
+        2,
     ),
 ]
 
@@ -352,10 +352,10 @@ def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
     down = stacked(T.Q6_K, (2, H2, FF), seed=42)
     slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
     x = torch.randn(1, H2, generator=torch.Generator().manual_seed(43)).to(DEVICE)
-    ids = torch.tensor([[1, 0]], device=DEVICE)
-    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
-    cfg = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=2, down_block_n=512)
-    counters = mmvq_counters(2, FF, DEVICE)
+    ids = torch.tensor([[1]], device=DEVICE)
+    weights = torch.tensor([[0.75]], device=DEVICE)
+    cfg = MoeMmvqConfig(up_once=True, up_block_n=8, up_groups=2, down_block_n=512)
+    counters = mmvq_counters(1, FF, DEVICE)
     args = (x, ids, weights, gate, up, down, slot)
     first = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
     assert not counters.any()
@@ -366,8 +366,8 @@ def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
         [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
     )  # [3, E]
     by_addr = fused_moe(x, ids, weights, gate, up, down, None, method="mmvq", mmvq_cfg=cfg,
-                        expert_addr=addr)  # fmt: skip
-    assert torch.equal(by_addr, first)
+                        expert_addr=addr, counters=counters)  # fmt: skip
+    assert torch.equal(by_addr, first) and not counters.any()
     assert rel_err(first, moe_mmvq_ref(*args)) < 2e-3
 
 
