@@ -90,14 +90,18 @@ def test_fused_moe_matches_reference(experts, method, t, k, dtype):
 @pytest.mark.parametrize("t, k, dtype", [(1, 2, torch.float32), (2, 2, torch.bfloat16)])
 def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     """The integer-dot decode path against its own reference (8-bit x and h, exact weights),
-    and against the float reference within 8-bit activation rounding."""
+    and against the float reference within 8-bit activation rounding. The tile gate/up kernel:
+    the default "once" one (`moe_mmvq.DEFAULT_CONFIG`) runs ~30x slower in the interpreter and
+    has its own tests below (MMVQ_VARIANTS, at the default's rows per program)."""
     gate, up, down = experts
+    tile = MoeMmvqConfig()
     g = torch.Generator().manual_seed(t * 10 + k + 1)
     x = torch.randn(t, H, generator=g).to(DEVICE, dtype)
     ids, weights = routing(t, k, RESIDENT, seed=t + 7)
     slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
     out = torch.full((t, H), float("nan"), dtype=dtype, device=DEVICE)
-    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", block_n=256)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method="mmvq", block_n=256,
+              mmvq_cfg=tile)  # fmt: skip
     ref = moe_mmvq_ref(x, ids, weights, gate, up, down, slot)
     assert rel_err(out, ref) < (2e-3 if dtype == torch.float32 else 2e-2)
     exact = ops.moe_forward_ref(x.float(), ids, weights, gate, up, down, slot)
@@ -105,7 +109,7 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     # each token's result does not depend on the other tokens in the batch
     one = torch.empty((1, H), dtype=dtype, device=DEVICE)
     fused_moe(x[-1:], ids[-1:], weights[-1:], gate, up, down, slot, out=one, method="mmvq",
-              block_n=256)  # fmt: skip
+              block_n=256, mmvq_cfg=tile)  # fmt: skip
     assert torch.equal(one[0], out[-1])
     assert default_method(t * k, gate, up, down) == "mmvq"
     assert default_method(128, gate, up, down) == "mmvq"
@@ -278,7 +282,8 @@ MMVQ_VARIANTS = [
         8,
         1,
     ),
-    (  # gate/up "once": 8 rows a program, the last of a q8 block's 4 programs quantizes it
+    (  # gate/up "once" (the default's rows per program): the last of a q8 block's 4 programs
+        # quantizes it
         MoeMmvqConfig(up_once=True, up_block_n=8, up_groups=2, down_block_n=512),
         (T.Q4_K, T.Q6_K, T.Q4_K),
         2,
