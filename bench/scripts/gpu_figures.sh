@@ -45,12 +45,15 @@
 #                                        decode with the router's old and new launch shape,
 #                                        interleaved; prefix reuse at 32k
 #   bench/scripts/gpu_figures.sh once    GPU tests of the MoE mmvq path; the "once" gate/up sweep
+#   bench/scripts/gpu_figures.sh fin4    30B-A3B decode with the tile and the "once" MoE gate/up;
+#                                        30B figures; tiny-pair speculation and step phases;
+#                                        greedy GPU vs CPU; GPU tests of the once kernel
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -316,6 +319,30 @@ case $part in
     timeout 200 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider -k mmvq \
       2>&1 | tail -3
     timeout 300 python3 bench/kernels_gpu.py --sweep-moe-once 2>&1 | tee "$out/sweep_moe_once.log"
+    ;;
+  fin4)
+    synth qwen3-30b-a3b q30
+    # the MoE gate/up kernel: the tile kernel's default shape, then the "once" default
+    tile='import moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = m.MoeMmvqConfig(); '
+    for arm in tile once; do
+      pre=""; [[ $arm == tile ]] && pre=$tile
+      timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
+        --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$arm" > /tmp/r/ab.log 2>&1
+      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
+      cp "/tmp/r/ab_$arm/result.json" "$out/ab_moe_$arm.json" 2>/dev/null
+    done
+    bench q30 200 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
+    timeout 130 python3 bench/spec_figures.py --device cuda --rounds 3 --prompts 2 --tokens 128 \
+      --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | tail -16
+    timeout 60 python3 bench/spec_phases.py --kind prose --rounds 3 2> /dev/null \
+      | tee "$out/phases_prose.txt"
+    timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
+      --json "$out/greedy.json" | tail -8
+    timeout 100 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider \
+      -k "once or variants" 2>&1 | tail -3
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
