@@ -159,11 +159,18 @@ class ModelRunner:
             )
         # (bucket, tokens per sequence) of the graph the last `execute` replayed; None: eager.
         self.last_step_graph: tuple[int, int] | None = None
-        # Run-ahead of greedy decode steps (`_decode_ahead`): on unless the engine speculates
-        # (a draft model's forwards and the verifier's reads would queue behind it).
+        # Run-ahead of greedy decode steps (`_decode_ahead`): whether a plain decode step queues
+        # the next one; the engine turns it off while the next step may carry drafts (a draft
+        # model's forwards and the verifier's reads would queue behind a step it drops). A step
+        # already queued is used whenever the plan is that step, whatever the flag says now.
         self.run_ahead = True
         self._ahead: RunAhead | None = None
         self.run_ahead_hits = 0  # steps whose forward was already queued when planned
+
+    @property
+    def has_queued_step(self) -> bool:
+        """Whether a plain decode step is queued ahead (`_decode_ahead`) for the next plan."""
+        return self._ahead is not None
 
     @property
     def num_captured_graphs(self) -> int:
@@ -205,7 +212,7 @@ class ModelRunner:
         graph = self._graph_step(reqs)
         if graph is not None and self.graphs is not None:
             self.last_step_graph = graph
-            if graph[1] == 1 and self._may_run_ahead(reqs):
+            if graph[1] == 1 and (self.run_ahead or ahead is not None) and self._greedy(reqs):
                 return self._decode_ahead(reqs, ahead)
             tokens = [s.token_ids[0] for s in reqs]
             starts = [s.start_pos for s in reqs]
@@ -242,16 +249,14 @@ class ModelRunner:
     # unshared last blocks: the step that feeds those positions rewrites them before anything
     # reads them (or the blocks were freed, and their next owner writes before it reads).
 
-    def _may_run_ahead(self, reqs: list[ScheduledRequest]) -> bool:
-        return (
-            self.run_ahead
-            and self.logits_processor is None
-            and all(argmax_only(s.sampling_params) for s in reqs)
-        )
+    def _greedy(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether every row's token is its argmax, which nothing changes: a decode step of
+        such rows may be queued ahead, and a queued one used."""
+        return self.logits_processor is None and all(argmax_only(s.sampling_params) for s in reqs)
 
     def _decode_ahead(self, reqs: list[ScheduledRequest], ahead: RunAhead | None) -> RunnerOutput:
         """A graph decode step of greedy requests, using `ahead` when it is this step, and
-        queueing the next step before reading this one's tokens."""
+        (with `run_ahead`) queueing the next step before reading this one's tokens."""
         graphs = self.graphs
         assert graphs is not None
         if ahead is not None and ahead.matches(reqs, self.block_size):
@@ -263,7 +268,7 @@ class ModelRunner:
             logits = graphs.run_decode(tokens, starts, [s.block_ids for s in reqs])  # [B, V]
         token_ids = self.sampler.argmax(logits)  # [B] on the device
         self.reader.start(token_ids)
-        self._ahead = self._launch_next(reqs, token_ids)
+        self._ahead = self._launch_next(reqs, token_ids) if self.run_ahead else None
         sampled = self.reader.finish()
         if self._ahead is not None:
             self._ahead.tokens = sampled

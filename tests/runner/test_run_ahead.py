@@ -116,3 +116,27 @@ def test_run_ahead_while_speculating_is_lossless(pair):
     stats = spec.engine.spec_stats()
     assert stats is not None and stats["total"]["verify_steps"] > 0  # drafts were verified
     assert spec.engine.runner.run_ahead_hits > 0  # and plain steps ran ahead
+
+
+def test_a_queued_step_is_used_after_run_ahead_turns_off(pair):
+    """`run_ahead` says whether a step queues the next one; a step already queued is used
+    when the plan is that step, even once the flag is off (it is not dropped)."""
+    ahead, plain = pair
+    engine = ahead.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request(_prompts(1)[0], params, "q")
+    out: list[int] = []
+    for o in engine.step() + engine.step():  # prefill, then a decode that queues the next
+        out += o.new_token_ids
+    assert engine.runner.has_queued_step
+    engine.runner.run_ahead = False
+    hits = engine.runner.run_ahead_hits
+    for o in engine.step():
+        out += o.new_token_ids
+    assert engine.runner.run_ahead_hits == hits + 1 and not engine.runner.has_queued_step
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    engine.runner.run_ahead = True
+    assert engine.runner.run_ahead_hits == hits + 1
+    assert out == plain.generate(_prompts(1), params)[0].token_ids
