@@ -42,16 +42,38 @@ class NgramIndex:
 
     def append(self, token: int) -> None:
         """Add one token: the n-grams ending just before it now have a known successor."""
-        end = len(self.tokens) - 1
-        if end >= 0:
-            for n, key in enumerate(self._keys(end), start=1):
-                if n >= self.min_n:
-                    self._last_end[n][key] = end
-        self.tokens.append(token)
+        toks = self.tokens
+        end = len(toks) - 1
+        key = shift = 0
+        for n in range(1, min(self.max_n, end + 1) + 1):
+            key |= toks[end - n + 1] << shift
+            shift += _TOKEN_BITS
+            if n >= self.min_n:
+                self._last_end[n][key] = end
+        toks.append(token)
 
     def extend(self, tokens: Sequence[int]) -> None:
-        for t in tokens:
+        """`append` each of `tokens`, in bulk: per n, the keys of every new n-gram in one
+        comprehension and one dict update (a later occurrence overwrites an earlier one)."""
+        toks = self.tokens
+        few = len(tokens) < 8  # where one by one is as fast
+        head = len(tokens) if few else min(len(tokens), max(0, self.max_n - len(toks)))
+        for t in tokens[:head]:  # a few tokens, or until a max_n-gram fits: one by one
             self.append(t)
+        if head == len(tokens):
+            return
+        first = len(toks) - 1  # the n-grams ending here get their successor now
+        toks.extend(tokens[head:])
+        stop = len(toks) - 1
+        ends = range(first, stop)
+        keys = toks[first:stop]  # n = 1
+        for n in range(1, self.max_n + 1):
+            if n > 1:
+                shift = _TOKEN_BITS * (n - 1)
+                older = toks[first - n + 1 : stop - n + 1]
+                keys = [k | t << shift for k, t in zip(keys, older)]
+            if n >= self.min_n:
+                self._last_end[n].update(zip(keys, ends))
 
     def lookup(self, k: int) -> tuple[list[int], int]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest matching

@@ -146,3 +146,18 @@ def test_registry_and_pure_python_import():
     # the n-gram proposer, the picker and the counters never import torch
     code = "import sys, moestream.spec; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (2, 4), (3, 5)])
+def test_bulk_extend_equals_appending(min_n, max_n):
+    """`extend` in chunks of 0..20 tokens (bulk from 8 on) builds the index `append` does."""
+    rng = random.Random(min_n * 10 + max_n)
+    for _ in range(50):
+        one, bulk = NgramIndex(min_n, max_n), NgramIndex(min_n, max_n)
+        for _ in range(rng.randint(1, 6)):
+            chunk = [rng.randrange(5) for _ in range(rng.randint(0, 20))]
+            for t in chunk:
+                one.append(t)
+            bulk.extend(chunk)
+            assert bulk.tokens == one.tokens and bulk._last_end == one._last_end
+            assert bulk.lookup(4) == one.lookup(4)
