@@ -110,8 +110,9 @@ class Engine:
             self.device,
             prefill_graph_tokens=sched.max_num_batched_tokens,
         )
+        self.runner.run_ahead = speculator is None  # a speculator turns it on when idle
         self._speculator = speculator
-        self._draft_host_seconds = 0.0  # host time of proposing the next step's drafts
+        self._captured = 0  # the runner's graph captures as of the last speculating step
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
 
@@ -223,6 +224,8 @@ class Engine:
         if self._speculator is not None and self._speculator is not speculator:
             self._speculator.release_all()  # its requests' end would reach the next one only
         self._speculator = speculator
+        self._captured = self.runner.num_captured_graphs
+        self.runner.run_ahead = speculator is None  # a speculator turns it on when idle
 
     def build_speculator(
         self, spec: SpecConfig | None, draft_num_blocks: int | None = None
@@ -290,43 +293,53 @@ class Engine:
         requests = self.scheduler.running
         if self.runner.logits_processor is not None:
             requests = [r for r in requests if self._may_speculate(r.request_id)]
-        speculator.draft(requests, self._base_tokens)
+        speculator.draft(requests, self._base_tokens, queued=self.runner.has_queued_step)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
         for requests that got tokens."""
         start = time.perf_counter()
-        spec = self._speculator
-        captured = self.runner.num_captured_graphs if spec is not None else 0
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler planned an empty step with requests unfinished")
-        result = self.runner.execute(plan)
-        if spec is not None:
-            spec.observe(plan, result.sampled)  # acceptance and releases
+        spec = self._speculator
+        if spec is not None and not spec.skips(plan):
+            return self._speculative_step(spec, plan, start)
+        outputs = self._commit(plan, self.runner.execute(plan))
+        if spec is not None:  # a skipped round: nothing drafted, nothing to propose
+            spec.skip(time.perf_counter() - start)
+        return outputs
+
+    def _speculative_step(
+        self, spec: Speculator, plan: StepPlan, start: float
+    ) -> list[EngineOutput]:
+        """`step` with the speculator's round: observe the drafts' verification, time the
+        step, propose the next step's drafts."""
+        runner = self.runner
+        captured, hits = runner.num_captured_graphs, runner.run_ahead_hits
+        # Steps of skipped rounds since the last round, as one plain step (unless a CUDA graph
+        # was captured among them: see below).
+        spec.end_idle(timed=captured == self._captured)
+        result = runner.execute(plan)
+        spec.observe(plan, result.sampled)  # acceptance and releases
         outputs = self._commit(plan, result)
-        if spec is not None:
-            # The picker is fed what a step costs end to end, the same way for plain and
-            # speculative steps: schedule, forward (a step that sampled ended in a host sync),
-            # commit, plus the host work that made this step's drafts (proposers, picker; a
-            # draft model's forwards are priced on their own). Where a step takes a fraction of
-            # a millisecond (small models on a GPU) the host work decides whether drafts pay.
-            # A step that captured a CUDA graph (and compiled its kernels) took 10-100x its
-            # cost: measured, it would price that size out of the picker's reach for good.
-            timed = self.runner.num_captured_graphs == captured
-            if result.sampled and plan.num_tokens > 0 and timed:
-                seconds = time.perf_counter() - start + self._draft_host_seconds
-                spec.record_step_time(plan.num_tokens, seconds)
-            t0 = time.perf_counter()
-            self._propose_drafts(spec)
-            host = time.perf_counter() - t0 - spec.draft_forward_seconds
-            self._draft_host_seconds = max(0.0, host)
-            # Run-ahead (the runner queues the next plain step before this one's tokens are
-            # read) only while the picker proposes nothing: a queued step is dropped when the
-            # plan then carries drafts, and it would sit ahead of the draft model's forwards.
-            # So it follows the last proposal: a switch to drafting costs one dropped step.
-            self.runner.run_ahead = not any(r.draft_token_ids for r in self.scheduler.running)
+        # The picker is fed what a step costs end to end, the same way for plain and
+        # speculative steps: schedule, forward (a step that sampled ended in a host sync),
+        # commit, plus the host work of the round that drafted for it (the speculator adds
+        # it; a draft model's forwards are priced on their own). Where a step takes a fraction
+        # of a millisecond (small models on a GPU) the host work decides whether drafts pay.
+        # A step that captured a CUDA graph (and compiled its kernels) took 10-100x its cost:
+        # measured, it would price that size out of the picker's reach for good.
+        self._captured = runner.num_captured_graphs
+        if result.sampled and plan.num_tokens > 0 and self._captured == captured:
+            seconds = time.perf_counter() - start
+            spec.record_step_time(plan.num_tokens, seconds, ahead=runner.run_ahead_hits != hits)
+        self._propose_drafts(spec)
+        # Run-ahead: the runner queues the next plain step before this one's tokens are read.
+        # The speculator allows it while it is not drafting (and drafts nothing for a step
+        # that was queued: the device would run it all the same).
+        runner.run_ahead = spec.run_ahead
         return outputs
 
     def _commit(self, plan: StepPlan, result: RunnerOutput) -> list[EngineOutput]:

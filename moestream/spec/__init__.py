@@ -8,12 +8,16 @@ How the engine uses it (moestream/engine.py):
     engine = Engine(model, tokenizer, cache, sched, spec=SpecConfig(mode="auto", ...))
     # Engine.step:
     plan = scheduler.schedule()            # feeds Request.draft_token_ids as drafts
+    if speculator.skips(plan):             # an idle round: O(1), nothing else to do
+        commit(plan, runner.execute(plan)); speculator.skip(seconds); return
+    speculator.end_idle()                  # the skipped rounds' steps, as one mean step
     result = runner.execute(plan)          # one forward pass: prefill chunks, plain decodes
                                            # and every request's drafts; ends in a host sync
     speculator.observe(plan, result.sampled)   # acceptance, releases
     outputs = commit(plan, result)         # scheduler.update takes [d_0..d_{a-1}, t]
-    speculator.record_step_time(plan.num_tokens, seconds)   # schedule..commit + drafting host
-    speculator.draft(running requests that decode next, base_tokens)   # next step's drafts
+    speculator.record_step_time(plan.num_tokens, seconds, ahead)   # schedule..commit
+    speculator.draft(running requests that decode next, base_tokens, queued)  # next drafts
+    runner.run_ahead = speculator.run_ahead    # may the next plain step be queued ahead
 
 The runner gives a request with k drafts k + 1 logits rows (its last fed token, then each
 draft) and verifies all such requests together (`verify.verify_drafts`, which pads them to

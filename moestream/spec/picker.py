@@ -14,6 +14,13 @@ B / t(n0) by `min_gain`. Untried sizes are priced pessimistically for speculatio
 optimistically for plain decode (`StepCostModel.upper/lower`), so the picker speculates only
 on measured gains.
 
+Plain decode is priced at the cheapest way it runs. On a GPU the runner queues a plain greedy
+step before the host has read the previous one's tokens (run-ahead), hiding the host's work;
+a step with drafts cannot be queued that way, and the plain steps around drafting ones are not
+(`Speculator` keeps run-ahead for stretches of rounds it skips). Plain steps whose forward ran
+ahead are measured apart (`plain_cost`), and t(n0) is the lower of the two measurements, so
+verification is weighed against the plain decode it would displace at its fastest.
+
 Acceptance also comes without tries: a free proposer (n-gram) proposes for every greedy
 request whether chosen or not, and the speculator checks an unchosen proposal against the
 tokens plain decode then produced, which are what verification would have compared it with
@@ -29,12 +36,17 @@ plain decode (their extra step time, estimated and then re-priced once measured,
 plain-decode time of the tokens they got accepted) stays within `explore_budget` of the
 measured time, so exploring cannot make a workload slower than plain decode by more than
 that. Deterministic: no random draws.
+
+A round may ask what the picker would choose without committing to it (`choose(commit=False)`,
+then `commit()` or nothing): the speculator does so when the next step is already queued as
+plain decode, and holds drafts back for a step if the answer is to draft. Nothing of the
+exploration (intervals, budget, first tries) is spent on an answer that is not committed.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from moestream.spec.stats import AcceptanceEMA, StepCostModel
@@ -109,20 +121,29 @@ class Picker:
         self.ema_alpha = ema_alpha
         prior = list(prior) if prior is not None else default_prior(max_k)
         self.global_acceptance = {a: AcceptanceEMA(max_k, global_alpha, prior) for a in arms}
-        self.target_cost = StepCostModel()
+        self.target_cost = StepCostModel()  # every timed step but the run-ahead ones
+        self.plain_cost = StepCostModel()  # plain decode steps whose forward ran ahead
         self.draft_cost = {a: StepCostModel() for a in self.model_arms}  # per forward, by batch
         self.time_measured = 0.0  # seconds of all recorded target and draft work
         self.explore_spent = 0.0  # estimated extra seconds of exploration so far
         self._unsettled: list[tuple[str, int, int, float]] = []  # last step's (arm, k, n0, cost)
         self._tries: dict[str, int] = {}  # request id -> n0 of its try awaiting verification
         self._first_tries: dict[str, int] = {}  # free arm -> tries taken outside the budget
+        self._staged: Callable[[], None] | None = None  # what `commit` records
         self._requests: dict[str, _RequestState] = {}
 
     # ---- measurements --------------------------------------------------------------------
-    def record_step_time(self, num_tokens: int, seconds: float) -> None:
-        """A target forward (any step: prefill, decode, verify) over `num_tokens` tokens."""
-        self.target_cost.record(num_tokens, seconds)
+    def record_step_time(self, num_tokens: int, seconds: float, ahead: bool = False) -> None:
+        """A target forward (any step: prefill, decode, verify) over `num_tokens` tokens.
+        `ahead`: a plain decode step whose forward was queued before the previous step's
+        tokens were read (run-ahead), or the mean of a stretch of such steps."""
+        (self.plain_cost if ahead else self.target_cost).record(num_tokens, seconds)
         self.time_measured += seconds
+
+    def plain_time(self, num_tokens: int) -> float:
+        """The least a plain step over `num_tokens` tokens can take, by every measurement."""
+        t = self.target_cost.lower(num_tokens)
+        return min(t, self.plain_cost.lower(num_tokens)) if len(self.plain_cost) else t
 
     def record_draft_time(
         self, arm: str, num_requests: int, num_forwards: int, seconds: float
@@ -143,7 +164,7 @@ class Picker:
         n0 = self._tries.pop(request_id, None)
         st = self._requests.setdefault(request_id, _RequestState())
         if n0 is not None:
-            saved = num_accepted * self.target_cost.lower(n0) / n0
+            saved = num_accepted * self.plain_time(n0) / n0
             self.explore_spent = max(0.0, self.explore_spent - saved)  # no credit is banked
             if num_accepted == num_drafts:  # all taken: a longer k may pay too, try at once
                 st.interval[arm] = self.explore_interval
@@ -184,15 +205,25 @@ class Picker:
 
     # ---- choosing ------------------------------------------------------------------------
     def choose(
-        self, candidates: Sequence[Candidate], base_tokens: int | None = None
+        self, candidates: Sequence[Candidate], base_tokens: int | None = None, commit: bool = True
     ) -> dict[str, Choice]:
         """A Choice for every candidate. `base_tokens`: tokens the target step feeds without
-        drafts (default: one per candidate)."""
+        drafts (default: one per candidate). `commit` False: what would be chosen, changing
+        nothing yet (exploration state, budget, first tries); `commit()` then records it as
+        if chosen with `commit`, and another `choose` drops it."""
         n0 = base_tokens or len(candidates)
         self._settle()
         choices = self._best_plan(candidates, n0)
-        self._explore(candidates, choices, n0)
+        self._staged = self._explore(candidates, choices, n0)
+        if commit:
+            self.commit()
         return choices
+
+    def commit(self) -> None:
+        """Record the last `choose(commit=False)` (no-op if none is pending)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged()
 
     def _best_plan(self, cands: Sequence[Candidate], n0: int) -> dict[str, Choice]:
         b = len(cands)
@@ -200,7 +231,7 @@ class Picker:
         if not cands:
             return plan
         gains = [self._gains(c) for c in cands]  # [i] arm -> a[0..limit-1]
-        best_rate = b / self.target_cost.lower(n0) * (1.0 + self.min_gain)
+        best_rate = b / self.plain_time(n0) * (1.0 + self.min_gain)
         best: tuple[list[tuple[float, int, int, str]], int] | None = None
         model_arms = [a for a in self.model_arms if any(a in c.available for c in cands)]
         times = self.target_cost.uppers(n0, b * self.max_k + 1)  # [m] target step of n0 + m
@@ -271,25 +302,25 @@ class Picker:
 
     def _explore_cost(self, arm: str, k: int, n0: int) -> float:
         """Pessimistic extra seconds of verifying k more drafts of `arm` in a step of n0."""
-        extra = self.target_cost.upper(n0 + k) - self.target_cost.lower(n0)
+        extra = self.target_cost.upper(n0 + k) - self.plain_time(n0)
         if arm in self.draft_cost:
             extra += k * self.draft_time(arm, 1)
         return max(0.0, extra)
 
-    def _first_try(self, arm: str, n: int) -> bool:
+    def _first_try(self, arm: str, n: int, taken: int) -> bool:
         """Whether a try of a free arm (no model forwards) that verifies n tokens goes ahead
-        outside the budget: while a step of n tokens has never been timed, up to
-        `FIRST_TRIES` per arm. One verify step prices every draft length up to it; before
-        it is timed, the linear bound prices drafting out and the budget would allow only
-        short tries for a long while. (A first step that captures a CUDA graph is not timed,
-        hence more than one.) None with a zero budget: no exploration at all."""
-        if not self.explore_budget or arm in self.draft_cost or n in self.target_cost:
-            return False
-        taken = self._first_tries.get(arm, 0)
-        if taken >= FIRST_TRIES:
-            return False
-        self._first_tries[arm] = taken + 1
-        return True
+        outside the budget, `taken` such tries of `arm` having gone before: while a step of
+        n tokens has never been timed, up to `FIRST_TRIES` per arm. One verify step prices
+        every draft length up to it; before it is timed, the linear bound prices drafting out
+        and the budget would allow only short tries for a long while. (A first step that
+        captures a CUDA graph is not timed, hence more than one.) None with a zero budget:
+        no exploration at all."""
+        return (
+            bool(self.explore_budget)
+            and arm not in self.draft_cost
+            and n not in self.target_cost
+            and taken < FIRST_TRIES
+        )
 
     def _settle(self) -> None:
         """Re-price the previous step's tries now that their step time is measured."""
@@ -297,9 +328,19 @@ class Picker:
             self.explore_spent += self._explore_cost(arm, k, n0) - charged
         self._unsettled.clear()
 
-    def _explore(self, cands: Sequence[Candidate], choices: dict[str, Choice], n0: int) -> None:
+    def _explore(
+        self, cands: Sequence[Candidate], choices: dict[str, Choice], n0: int
+    ) -> Callable[[], None]:
+        """Turn overdue arms into tries in `choices`; returns the function that records what
+        this decided (each request's exploration state, the tries and their estimated cost)."""
+        states = []  # (request id, its state, [(arm, interval, own k, steps since a try)])
+        tries = []  # (its state, request id, arm, k, estimated cost, interval)
+        spent = self.explore_spent
+        first = dict(self._first_tries)
         for c in cands:
-            st = self._requests.setdefault(c.request_id, _RequestState())
+            st = self._requests.get(c.request_id) or _RequestState()
+            arms = []
+            states.append((c.request_id, st, arms))
             chosen = choices[c.request_id]
             stale = []
             for rank, arm in enumerate(self.arms):
@@ -307,30 +348,41 @@ class Picker:
                 if most < 1:
                     continue
                 own_k = chosen.k if chosen.arm == arm else 0
-                interval = st.interval.setdefault(arm, self.explore_interval)
+                interval = st.interval.get(arm, self.explore_interval)
                 since = st.since_tried.get(arm, interval - 1)  # first try: when available
                 if own_k > st.chosen_k.get(arm, 0):  # the picker itself went further: climb on
-                    interval = st.interval[arm] = self.explore_interval
+                    interval = self.explore_interval
                     since = interval - 1
-                st.chosen_k[arm] = own_k
-                if own_k >= most:  # nothing longer to try
-                    st.since_tried[arm] = 0
-                    continue
-                since = st.since_tried[arm] = since + 1
-                if since >= interval:
-                    stale.append((interval - since, rank, arm, own_k, most))
-            for _, _, arm, own_k, most in sorted(stale):  # the most overdue first
-                budget = self.explore_budget * self.time_measured - self.explore_spent
+                since = 0 if own_k >= most else since + 1  # k = most: nothing longer to try
+                arms.append((arm, interval, own_k, since))
+                if own_k < most and since >= interval:
+                    stale.append((interval - since, rank, arm, own_k, most, interval))
+            for _, _, arm, own_k, most, interval in sorted(stale):  # the most overdue first
+                budget = self.explore_budget * self.time_measured - spent
                 k = most
-                if not self._first_try(arm, n0 + most):
+                if self._first_try(arm, n0 + most, first.get(arm, 0)):
+                    first[arm] = first.get(arm, 0) + 1
+                else:
                     while k > own_k and self._explore_cost(arm, k, n0) > budget:
                         k -= 1
                 if k > own_k:
                     choices[c.request_id] = Choice(arm, k, explore=True)
                     cost = self._explore_cost(arm, k, n0)
-                    self.explore_spent += cost
-                    self._unsettled.append((arm, k, n0, cost))
-                    self._tries[c.request_id] = n0
-                    st.since_tried[arm] = 0
-                    st.interval[arm] = min(2 * st.interval[arm], self.explore_max_interval)
+                    spent += cost
+                    tries.append((st, c.request_id, arm, k, cost, interval))
                     break
+
+        def record() -> None:
+            for rid, st, arms in states:
+                self._requests.setdefault(rid, st)
+                for arm, interval, own_k, since in arms:
+                    st.interval[arm], st.chosen_k[arm], st.since_tried[arm] = interval, own_k, since
+            for st, rid, arm, k, cost, interval in tries:
+                self._unsettled.append((arm, k, n0, cost))
+                self._tries[rid] = n0
+                st.since_tried[arm] = 0
+                st.interval[arm] = min(2 * interval, self.explore_max_interval)
+            self.explore_spent = spent
+            self._first_tries = first
+
+        return record

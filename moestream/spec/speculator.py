@@ -19,20 +19,33 @@ from moestream.types import Request, StepPlan
 # Most proposal rounds skipped in a row while rounds draft nothing (`Speculator.draft`): bounds
 # how long a request that starts to repeat itself waits for its first n-gram drafts.
 IDLE_MAX_SKIP = 64
+# Rounds in a row that draft nothing before the speculator counts as idle: from the next one
+# on, rounds are skipped (`Speculator.draft`) and the runner may queue plain steps ahead
+# (`Speculator.run_ahead`). A copy that pauses for a renamed variable resumes within them.
+IDLE_AFTER = 3
 
 
 class Speculator:
     """Proposers, picker and counters together: all the engine calls for speculation.
 
     Each step (the integration recipe is in `moestream/spec/__init__.py`):
-    1. after the runner ran `plan` (verifying drafts): `observe(plan, sampled)` records the
-       acceptance of every verified request and drops state of preempted and finished requests;
-    2. after the scheduler committed the step: `record_step_time(n, seconds)` with the step's
-       whole cost (schedule, forward, commit, and the host work of drafting for it: for small
-       models on a GPU that host work is what decides whether drafts pay), then
-       `draft(scheduler.running)` sets `Request.draft_token_ids` of the requests that decode
-       next (`draft_forward_seconds` then holds its draft-model forwards); the scheduler feeds
-       them.
+    0. once the step is planned: if `skips(plan)`, the round after it is skipped (nothing was
+       drafted for it and nothing will be): run and commit the step, then `skip(seconds)`
+       with its cost; that is all (a few attribute reads and writes);
+    1. otherwise, after the runner ran `plan` (verifying drafts): `end_idle()` hands the
+       picker the skipped steps' time, `observe(plan, sampled)` records the acceptance of
+       every verified request and drops state of preempted and finished requests;
+    2. after the scheduler committed the step: `record_step_time(n, seconds, ahead)` with the
+       step's whole cost (schedule, forward, commit; the host work of the round that drafted
+       for it is added here: for small models on a GPU that host work is what decides whether
+       drafts pay), then `draft(scheduler.running, queued=...)` sets
+       `Request.draft_token_ids` of the requests that decode next (`draft_forward_seconds`
+       then holds its draft-model forwards); the scheduler feeds them.
+    `run_ahead` (after `draft`) says whether the runner may queue a plain step before the
+    host has read the previous step's tokens (`ModelRunner.run_ahead`). A queued step that
+    the next plan does not match (it carries drafts) would still cost the device its time,
+    so a round whose next step is already queued (`queued`) drafts nothing: when it would
+    have drafted, it turns run-ahead off instead, and the next round drafts (`propose`).
     Drafts are guesses: the output never depends on them, only the speed does.
     """
 
@@ -54,10 +67,16 @@ class Speculator:
         self._probs: dict[str, Any] = {}
         self.draft_forward_seconds = 0.0  # draft-model forwards of the last `propose`
         self._skip = 0  # proposal rounds left to skip (`draft`)
+        self._idle_rounds = IDLE_AFTER - 1  # rounds in a row that drafted nothing
+        self._round_size = 0  # requests that decoded at the last round
+        self._round_host = 0.0  # host seconds of rounds not yet charged to a timed step
+        self._idle_steps = 0  # steps of skipped rounds not yet handed to the picker...
+        self._idle_seconds = 0.0  # ... and their seconds
         # Shadow drafts (`_shadow_check`): request id -> [(arm, its output list, output length
         # at the proposal, proposed tokens)]
         self._shadows: dict[str, list[tuple[str, Sequence[int], int, list[int]]]] = {}
         self._round_ids: set[str] = set()  # requests of the last round that proposed
+        self.deferred = False  # the last round would have drafted, but its step was queued
 
     @classmethod
     def from_config(
@@ -98,26 +117,90 @@ class Speculator:
         return cls(config, proposers)
 
     # ---- proposing -------------------------------------------------------------------------
+    @property
+    def run_ahead(self) -> bool:
+        """Whether the next plain step may be queued ahead: after `IDLE_AFTER` rounds in
+        a row that drafted nothing, unless the last round held drafts back because its step
+        was queued. Right after drafting, the next round is likely to draft again (a copy
+        resumes after a renamed variable), and one that may not draft because its step is
+        queued costs a step's delay."""
+        if self.config.always:  # a draft at every step that has a proposal
+            return False
+        return self._idle_rounds >= IDLE_AFTER and not self.deferred
+
+    def skips(self, plan: StepPlan) -> bool:
+        """Whether the round after `plan` is skipped, as `draft` would decide, in O(1): rounds
+        are being skipped and `plan` schedules as many requests as the last round decoded,
+        none finished or preempted since. Then it decodes exactly those: the scheduler plans
+        decodes first, and any other request (a new one, a prompt chunk) adds to the count.
+        The engine then runs the step without the speculator and calls `skip`."""
+        return (
+            self._skip > 0
+            and len(plan.scheduled) == self._round_size
+            and not plan.finished_ids
+            and not plan.preempted_ids
+        )
+
+    def skip(self, seconds: float) -> None:
+        """A step whose round was skipped (`skips`) took `seconds`. Its time is summed with
+        the other skipped rounds' steps: they reach the picker as one mean step at the next
+        round (`end_idle`)."""
+        self._skip -= 1
+        self._idle_steps += 1
+        self._idle_seconds += seconds + self._round_host
+        self._round_host = 0.0
+        self.stats.num_plain_steps += self._round_size
+
+    def end_idle(self, timed: bool = True) -> None:
+        """Hand the picker the mean of the steps since the last round (`skip`) as one plain
+        decode step that ran ahead. `timed` False: some of them captured a CUDA graph; they
+        are dropped. Call before the next round's `record_step_time` and `draft`."""
+        if self._idle_steps and timed:
+            mean = self._idle_seconds / self._idle_steps
+            self.picker.record_step_time(self._round_size, mean, ahead=True)
+            self.picker.time_measured += self._idle_seconds - mean  # all of them ran
+        self._idle_steps = 0
+        self._idle_seconds = 0.0
+
     def draft(
         self,
         requests: Iterable[Request],
         base_tokens: int | Callable[[], int] | None = None,
+        queued: bool = False,
     ) -> None:
         """Set `draft_token_ids` of each running request whose next step is a decode (one
         token left to feed) to this step's proposal, or [] for plain decode. `base_tokens`:
         as in `propose`, or a function giving it (called only by rounds that propose).
+        `queued`: the runner has queued the next step ahead, as plain decode; drafts would
+        make it wasted work, so the round drafts nothing (`propose`).
 
         A round costs host work (proposers, picker) whatever it decides. Where a step takes a
         fraction of a millisecond (small models on a GPU) that work alone can make a workload
-        slower than plain decode, so while rounds draft nothing, whole rounds are skipped:
-        after an empty round that took h seconds of host work at a measured plain step time t,
-        the next ceil(h / (idle_budget * t)) - 1 rounds (at most `IDLE_MAX_SKIP`) propose
-        nothing, keeping idle rounds within `SpecConfig.idle_budget` of the step time. A
-        request that decodes for the first time since the last round, or a round that drafts,
-        ends the skipping. Proposers catch up on the skipped tokens at the next round."""
+        slower than plain decode. So while rounds draft nothing, rounds are skipped, more and
+        more: after the n-th round in a row that drafted nothing, n > `IDLE_AFTER`, the next
+        min(2^(n - IDLE_AFTER) - 1, IDLE_MAX_SKIP) rounds propose nothing, but no more than
+        keeps a round's host work h within `SpecConfig.idle_budget` of the plain step time t:
+        ceil(h / (idle_budget * t)) - 1. (h includes the proposers catching up on the tokens
+        since the last round, which grows with the rounds skipped: in a long idle stretch on
+        a small model the skips reach the cap.) A request that stops copying for a token or two (a
+        renamed variable) loses no round; one that never copies costs little. A request that
+        decodes for the first time since the last round, or a round that drafts (or would
+        have), ends the skipping; a round that drafts nothing but exploration tries does not
+        count as drafting. Proposers catch up on skipped tokens at the next round."""
         start = time.perf_counter()
         self.draft_forward_seconds = 0.0
         requests = requests if isinstance(requests, list) else list(requests)
+        self._round(requests, base_tokens, queued, start)
+        host = time.perf_counter() - start - self.draft_forward_seconds
+        self._round_host += max(0.0, host)
+
+    def _round(
+        self,
+        requests: list[Request],
+        base_tokens: int | Callable[[], int] | None,
+        queued: bool,
+        start: float,
+    ) -> None:
         if self._skip > 0 and len(requests) == len(self._round_ids):
             # the common skipped round, cheaply: the same requests as at the last round, whose
             # drafts that round (which drafted nothing) already cleared
@@ -139,9 +222,15 @@ class Speculator:
             self._skip -= 1
             self.stats.record_plain(len(inputs))
             return
-        self._round_ids = {req.request_id for req, _ in inputs}
-        if callable(base_tokens):
-            base_tokens = base_tokens()
+        if new_request or len(inputs) != self._round_size:
+            self._round_ids = {req.request_id for req, _ in inputs}
+            self._round_size = len(inputs)
+        self._skip = 0
+        self.deferred = False
+        if new_request:  # its first round comes now; then it counts as idle soon
+            self._idle_rounds = min(self._idle_rounds, IDLE_AFTER - 1)
+        if not inputs:
+            return
         proposals = self.propose(
             [
                 ProposalInput(
@@ -154,32 +243,52 @@ class Speculator:
                 for req, room in inputs
             ],
             base_tokens,
+            defer=queued,
         )
-        by_id = {req.request_id: req for req, _ in inputs} if proposals else {}
-        for rid, p in proposals.items():
-            by_id[rid].draft_token_ids = list(p.token_ids)
-        self._skip = 0
-        if not proposals and inputs and not self.config.always and self.config.idle_budget > 0:
-            host = time.perf_counter() - start - self.draft_forward_seconds
-            step = self.picker.target_cost.upper(base_tokens or len(inputs))
-            rounds = math.ceil(host / (self.config.idle_budget * step))
-            self._skip = max(0, min(IDLE_MAX_SKIP, rounds) - 1)
+        if proposals:
+            by_id = {req.request_id: req for req, _ in inputs}
+            for rid, p in proposals.items():
+                by_id[rid].draft_token_ids = list(p.token_ids)
+            if not all(self._pending[rid].explore for rid in proposals):
+                self._idle_rounds = 0  # tries alone do not say that drafting resumes
+            return
+        if self.deferred:  # the next round, its step not queued, drafts or counts as idle
+            return
+        self._idle_rounds += 1
+        if self.config.always or self.config.idle_budget <= 0 or self._idle_rounds <= IDLE_AFTER:
+            return
+        step = self.picker.plain_time(len(inputs))  # of the decodes the skipped rounds skip
+        host = time.perf_counter() - start - self.draft_forward_seconds
+        need = math.ceil(host / (self.config.idle_budget * step)) - 1
+        ramp = 2 ** min(self._idle_rounds - IDLE_AFTER, 7) - 1
+        self._skip = max(0, min(IDLE_MAX_SKIP, ramp, need))
 
     def propose(
-        self, inputs: Sequence[ProposalInput], base_tokens: int | None = None
+        self,
+        inputs: Sequence[ProposalInput],
+        base_tokens: int | Callable[[], int] | None = None,
+        defer: bool = False,
     ) -> dict[str, Proposal]:
-        """Proposals for the requests the picker lets speculate this step."""
+        """Proposals for the requests the picker lets speculate this step. `base_tokens`: as
+        in `Picker.choose`, or a function giving it. `defer`: none; the picker is asked what
+        it would choose without committing to it (no try is spent), and `deferred` says
+        whether that was anything (the free proposers' proposals still count as shadow
+        drafts)."""
         self.draft_forward_seconds = 0.0
         inputs = [i for i in inputs if i.num_drafts >= 1]
-        for inp in inputs:
-            self._pending.pop(inp.request_id, None)
-            self._probs.pop(inp.request_id, None)
+        if self._pending:
+            for inp in inputs:
+                self._pending.pop(inp.request_id, None)
+                self._probs.pop(inp.request_id, None)
         if not inputs:
             return {}
         self._shadow_check()
         free = {
             name: p.propose(inputs) for name, p in self.proposers.items() if not p.costs_forward
         }
+        if len(free) == len(self.proposers) and not any(free.values()):
+            self.stats.record_plain(len(inputs))  # nothing to choose from, nothing to try
+            return {}
         cands = []
         for inp in inputs:
             avail = {
@@ -194,7 +303,14 @@ class Speculator:
         if self.config.always:
             choices = self._always(cands)
         else:
-            choices = self.picker.choose(cands, base_tokens)
+            n0 = base_tokens() if callable(base_tokens) else base_tokens
+            choices = self.picker.choose(cands, n0, commit=not defer)
+        if defer:
+            self.deferred = any(c.arm is not None for c in choices.values())
+            if self.deferred:
+                choices = {c.request_id: Choice() for c in cands}
+            else:
+                self.picker.commit()
         out: dict[str, Proposal] = {}
         for name, p in self.proposers.items():
             chosen = [i for i in inputs if choices[i.request_id].arm == name]
@@ -296,6 +412,8 @@ class Speculator:
         """Record a step the runner ran: the acceptance of every request that carried drafts
         (`sampled[id]` = accepted drafts + one token), and release state of the plan's
         preempted and finished requests. Its cost goes to `record_step_time`."""
+        if not (self._pending or plan.finished_ids or plan.preempted_ids):
+            return  # nothing was drafted for this step, nobody left
         for s in plan.scheduled:
             out = sampled.get(s.request_id)
             if s.draft_token_ids and out:
@@ -313,8 +431,12 @@ class Speculator:
         self.picker.record_verification(request_id, choice.arm, num_drafts, num_accepted)
         self.stats.record(choice.arm, num_drafts, num_accepted, choice.explore)
 
-    def record_step_time(self, num_tokens: int, seconds: float) -> None:
-        self.picker.record_step_time(num_tokens, seconds)
+    def record_step_time(self, num_tokens: int, seconds: float, ahead: bool = False) -> None:
+        """A step over `num_tokens` tokens took `seconds` (`ahead`: a plain step whose forward
+        the runner had queued ahead); the host work of the rounds since the last timed step
+        (the one that drafted for this step among them) is added to it."""
+        self.picker.record_step_time(num_tokens, seconds + self._round_host, ahead)
+        self._round_host = 0.0
 
     def release_all(self) -> None:
         """Drop the state of every request (the engine has none unfinished); measurements
@@ -324,6 +446,10 @@ class Speculator:
             ids.update(p.request_ids())
         for rid in ids:
             self.release(rid)
+        self._skip = self._round_size = self._idle_steps = 0
+        self._idle_seconds = self._round_host = 0.0
+        self._idle_rounds = IDLE_AFTER - 1
+        self.deferred = False
 
     def release(self, request_id: str) -> None:
         """Drop every proposer's and the picker's state of `request_id`."""

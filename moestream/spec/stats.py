@@ -157,6 +157,11 @@ class AcceptanceEMA:
         return sum(self.curve()[:k])
 
 
+# Most a step time may differ from its size's estimate (either way) for the estimate to follow
+# it in full (`StepCostModel.record`).
+STALL = 2.0
+
+
 class StepCostModel:
     """Measured seconds of a forward over n tokens (or n requests), an EMA per n.
 
@@ -179,7 +184,10 @@ class StepCostModel:
     def record(self, n: int, seconds: float) -> None:
         """A step of n took `seconds`. The first step of each size often pays one-off costs
         (kernel compilation, CUDA graph capture: 100x a step); it stands only until the second
-        measurement replaces it, after which an EMA follows."""
+        measurement replaces it, after which an EMA follows, fed each measurement within
+        `STALL` times the estimate either way: a step the host was descheduled in, or a
+        garbage-collector pause, must not price a size out of reach (it would not be tried
+        again for long), while a lasting change still comes through in a few steps."""
         if n < 1 or seconds < 0:
             raise ValueError(f"step of {n} tokens took {seconds} s")
         count = self._count.get(n, 0)
@@ -191,6 +199,7 @@ class StepCostModel:
             self._seconds[n] = seconds
         else:
             old = self._seconds[n]
+            seconds = min(max(seconds, old / STALL), old * STALL)
             self._seconds[n] = old + self.alpha * (seconds - old)
 
     def __contains__(self, n: object) -> bool:

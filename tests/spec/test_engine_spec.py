@@ -261,7 +261,10 @@ def test_picker_is_fed_whole_steps(demo_pair):
     host work of drafting are in it: for a small model on a GPU they decide whether drafts
     pay); draft-model forwards are recorded apart, not twice."""
     engine = make_engine(demo_pair)
-    config = SpecConfig(mode="auto", draft_model=str(DEMO_DRAFT), explore_interval=1)
+    # every round runs (idle_budget 0): steps of skipped rounds reach the picker as one mean
+    config = SpecConfig(
+        mode="auto", draft_model=str(DEMO_DRAFT), explore_interval=1, idle_budget=0.0
+    )
     engine.speculator = spec = real_speculator(demo_pair, engine, config)
     forwards: list[float] = []
     commits: list[float] = []
@@ -277,9 +280,9 @@ def test_picker_is_fed_whole_steps(demo_pair):
 
         return call
 
-    def recorded(num_tokens, seconds):
+    def recorded(num_tokens, seconds, ahead=False):
         steps.append(seconds)
-        record(num_tokens, seconds)
+        record(num_tokens, seconds, ahead)
 
     engine.runner.execute, engine._commit = timed(execute, forwards), timed(commit, commits)
     spec.record_step_time = recorded
@@ -484,7 +487,8 @@ def test_steps_that_capture_a_graph_are_not_timed(demo_pair, monkeypatch):
 
     def timed_steps(capturing: set[int]) -> int:
         engine = make_engine(demo_pair)
-        engine.speculator = real_speculator(demo_pair, engine, SpecConfig(mode="ngram"))
+        config = SpecConfig(mode="ngram", idle_budget=0.0)  # every step timed on its own
+        engine.speculator = real_speculator(demo_pair, engine, config)
         calls = {"n": 0, "captured": 0}
         execute = engine.runner.execute
 

@@ -13,9 +13,9 @@ from moestream.sched.scheduler import Scheduler
 from moestream.spec.base import SpecConfig
 from moestream.spec.ngram import NgramProposer
 from moestream.spec.picker import FIRST_TRIES, Candidate, Choice, Picker
-from moestream.spec.speculator import IDLE_MAX_SKIP, Speculator
+from moestream.spec.speculator import IDLE_AFTER, IDLE_MAX_SKIP, Speculator
 from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
-from moestream.types import Request, RequestStatus, SamplingParams
+from moestream.types import Request, RequestStatus, SamplingParams, ScheduledRequest, StepPlan
 
 
 def dense(n: int) -> float:
@@ -132,6 +132,42 @@ def test_exploration_climbs_k_while_it_pays():
     assert choices[-1] == Choice("ngram", 4)  # the picker's own choice by now, not a try
 
 
+def test_plain_decode_is_priced_at_its_fastest():
+    """Plain steps that ran ahead (the runner queued them before the host read the previous
+    step's tokens) are cheaper than the plain steps around drafting ones; verification must
+    beat the cheaper ones."""
+    p = Picker(("ngram",), 4, prior=[0.5] * 4, explore_budget=0.0)
+    p.record_step_time(1, 1.3)  # plain, nothing queued ahead
+    p.record_step_time(5, 2.0)  # 1 + 0.5 * 4 = 3 tokens: 1.5 per second
+    assert choose_one(p) == Choice("ngram", 4)  # beats 1 / 1.3 per second
+    p.record_step_time(1, 0.6, ahead=True)
+    assert p.plain_time(1) == 0.6
+    assert choose_one(p) == Choice()  # not 1 / 0.6
+
+
+def test_choose_without_commit_changes_nothing_until_committed():
+    def state(p: Picker):
+        reqs = {
+            r: (dict(s.interval), dict(s.since_tried), dict(s.chosen_k))
+            for r, s in p._requests.items()
+        }
+        return reqs, p.explore_spent, list(p._unsettled), dict(p._tries), dict(p._first_tries)
+
+    p = Picker(("ngram",), 4, explore_interval=2)
+    p.record_step_time(1, 1.0)
+    cands = [Candidate("a", 4, {"ngram": 4})]
+    before = state(p)
+    peeked = p.choose(cands, commit=False)
+    assert peeked == {"a": Choice("ngram", 4, explore=True)}  # a first try
+    assert state(p) == before
+    assert p.choose(cands, commit=False) == peeked  # still not spent
+    p.commit()
+    assert state(p) != before and p._first_tries == {"ngram": 1} and p._tries == {"a": 1}
+    q = Picker(("ngram",), 4, explore_interval=2)
+    q.record_step_time(1, 1.0)
+    assert q.choose(cands) == peeked and state(q) == state(p)
+
+
 def test_draft_arm_is_weighed_with_its_forward_cost():
     def picker(draft_seconds: float) -> Picker:
         p = make_picker(0.3, dense)
@@ -173,6 +209,21 @@ def test_step_cost_forgets_a_warm_up_step():
     c.record(1, 1.0)
     c.record(1, 1.0)
     assert c.measured() == {1: 1.0}
+
+
+def test_step_cost_follows_a_stall_only_partly():
+    """A step the host was descheduled in (here 10x) moves the estimate as a 2x step would;
+    a lasting change comes through, in tens of steps for a tenfold one."""
+    c = StepCostModel(alpha=0.2)
+    for _ in range(3):
+        c.record(5, 1.0)
+    c.record(5, 10.0)
+    assert c.measured()[5] == pytest.approx(1.2)
+    for _ in range(3):
+        c.record(5, 1.0)
+    for _ in range(20):
+        c.record(5, 10.0)
+    assert c.measured()[5] > 9.0
 
 
 def test_acceptance_ema_updates_reached_positions_only():
@@ -340,23 +391,56 @@ def decoding(rid: str, prompt: list[int]) -> Request:
     return req
 
 
-def test_idle_rounds_are_skipped_within_the_budget_and_new_requests_end_the_skip():
+def decode_rounds(spec: Speculator, proposer: CountingNgram, req: Request, steps: int):
+    """Draft for `req` at each of `steps` steps, appending a token that no n-gram predicts:
+    (steps at which the proposer ran, `run_ahead` after each step's round)."""
+    rounds, ahead = [], []
+    for step in range(steps):
+        before = proposer.rounds
+        spec.draft([req])
+        if proposer.rounds > before:
+            rounds.append(step)
+        ahead.append(spec.run_ahead)
+        req.output_token_ids.append(10_000 + len(req.output_token_ids))
+        req.num_computed_tokens = req.num_tokens - 1
+    return rounds, ahead
+
+
+def test_idle_rounds_are_skipped_more_and_more_and_new_requests_end_the_skip():
     spec, proposer = counting_speculator()
-    spec.record_step_time(1, 1e-9)  # any host work is far over 2% of such a step
+    spec.record_step_time(1, 1e-9)  # any host work is far over the budget of such a step
     a = decoding("a", [1, 2, 3, 4, 5, 6])  # no n-gram recurs: nothing to draft
-    spec.draft([a])
-    assert proposer.rounds == 1 and a.draft_token_ids == []
-    for _ in range(IDLE_MAX_SKIP - 1):  # skipped: the proposer is not called
-        a.output_token_ids.append(7 + len(a.output_token_ids))
-        a.num_computed_tokens = a.num_tokens - 1
-        spec.draft([a])
-    assert proposer.rounds == 1
-    assert spec.stats.as_dict()["plain_steps"] == IDLE_MAX_SKIP
+    rounds, ahead = decode_rounds(spec, proposer, a, 200)
+    assert a.draft_token_ids == []
+    # a new request counts as idle after its first round: run-ahead from then on, and the
+    # rounds skipped in between double (1, 3, 7, ...) up to IDLE_MAX_SKIP
+    assert all(ahead)
+    gaps = [b - a for a, b in zip(rounds, rounds[1:])]
+    assert gaps == [1, 2, 4, 8, 16, 32, 64, IDLE_MAX_SKIP + 1]
+    assert spec.stats.as_dict()["plain_steps"] == 200
     b = decoding("b", [9, 8, 9, 8, 9])  # a request new since the last round ends the skip
     spec.draft([a, b])
-    assert proposer.rounds == 2
+    assert proposer.rounds == len(rounds) + 1
     # the skipped tokens were caught up: a's index knows all of its tokens
     assert len(proposer._index["a"]) == a.num_tokens
+
+
+def test_rounds_after_drafting_are_held_without_run_ahead():
+    """After a round that drafted, the next IDLE_AFTER rounds all run (a copy that pauses for
+    a renamed variable resumes within them) and the runner does not queue steps ahead (a
+    queued step could not carry the drafts); then the idle rounds are skipped as usual."""
+    spec, proposer = counting_speculator()
+    for n in range(1, 6):
+        spec.record_step_time(n, 1e-9)  # verifying costs nothing: drafts pay
+    a = decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])
+    spec.draft([a])
+    assert a.draft_token_ids == [3, 1, 2, 3] and not spec.run_ahead
+    a.output_token_ids.append(7)  # the target disagrees with the drafts
+    a.num_computed_tokens = a.num_tokens - 1
+    rounds, ahead = decode_rounds(spec, proposer, a, 12)
+    assert rounds[:IDLE_AFTER] == list(range(IDLE_AFTER))
+    assert ahead[: IDLE_AFTER - 1] == [False] * (IDLE_AFTER - 1) and all(ahead[IDLE_AFTER - 1 :])
+    assert rounds[IDLE_AFTER : IDLE_AFTER + 2] == [IDLE_AFTER, IDLE_AFTER + 2]
 
 
 def test_no_skipping_when_host_work_is_small_against_the_step_or_budget_is_zero():
@@ -384,6 +468,46 @@ def test_skipping_idle_rounds_on_a_fast_target_stays_exact(kind):
         assert not stats.arms and proposer.rounds < 150 / 4, proposer.rounds
     if kind == "copy":
         assert stats.total.tau > 1.5, stats.as_dict()
+
+
+def test_a_round_whose_step_is_queued_defers_its_drafts():
+    """The runner queued the next step as plain decode: drafts for it would leave that work
+    wasted, so the round hands out none and turns run-ahead off; the next round drafts."""
+    spec, _ = counting_speculator()
+    for n in range(1, 6):
+        spec.record_step_time(n, 1e-9)  # verifying costs nothing: drafts pay
+    a = decoding("a", [1, 2, 3, 1, 2, 3, 1, 2])
+    spec.draft([a], queued=True)
+    assert a.draft_token_ids == [] and spec.deferred and not spec.run_ahead
+    assert not spec.picker._first_tries and not spec.picker._tries  # nothing spent
+    a.output_token_ids.append(3)
+    a.num_computed_tokens = a.num_tokens - 1
+    spec.draft([a])
+    assert a.draft_token_ids == [1, 2, 3, 1] and not spec.deferred
+
+
+def test_steps_of_skipped_rounds_reach_the_picker_as_one_mean_step():
+    spec, _ = counting_speculator()
+    spec.record_step_time(1, 1e-9)
+    a = decoding("a", [1, 2, 3, 4, 5, 6])
+    for _ in range(2):  # the second round in a row that drafts nothing starts skipping
+        spec.draft([a])
+        a.output_token_ids.append(100 + len(a.output_token_ids))
+        a.num_computed_tokens = a.num_tokens - 1
+    plan = StepPlan([ScheduledRequest("a", [a.output_token_ids[-1]], a.num_tokens - 1, [], True)])
+    assert spec.skips(plan)
+    spec.skip(1.0)
+    assert not spec.skips(plan)  # the one round skipped
+    assert not spec.skips(StepPlan(plan.scheduled, finished_ids=["b"]))  # someone left
+    measured = spec.picker.time_measured
+    spec.end_idle()
+    assert spec.picker.plain_cost.measured() == {1: pytest.approx(1.0, rel=0.01)}
+    assert spec.picker.time_measured == pytest.approx(measured + 1.0, rel=0.01)
+    spec._skip = 2  # a stretch in which a CUDA graph was captured is dropped
+    spec.skip(5.0)
+    spec.skip(5.0)
+    spec.end_idle(timed=False)
+    assert spec.picker.plain_cost.measured() == {1: pytest.approx(1.0, rel=0.01)}
 
 
 @pytest.mark.parametrize("right", [True, False])
