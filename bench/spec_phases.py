@@ -85,6 +85,16 @@ def instrument(engine: Any, clock: Clock) -> None:
 def instrument_speculator(spec: Any, clock: Clock) -> None:
     spec.observe = clock.wrap(spec.observe, "observe")
     spec.record_step_time = clock.wrap(spec.record_step_time, "record")
+    for p in spec.proposers.values():
+        if p.costs_forward:  # a draft model's forwards (inside "propose")
+            p.propose = clock.wrap(p.propose, "draft_forward")
+
+
+def arm_counts(spec: Any) -> dict[str, tuple[int, int]]:
+    """(verify steps, exploration steps) per proposer so far."""
+    if spec is None:
+        return {}
+    return {a: (s.num_verify_steps, s.num_explore_steps) for a, s in spec.stats.arms.items()}
 
 
 def main() -> int:
@@ -123,6 +133,7 @@ def main() -> int:
         for m in order:
             engine.speculator = specs[m]
             hits = engine.runner.run_ahead_hits
+            arms = arm_counts(specs[m])
             clock.reset()
             res = decode_run(engine, prompts, args.tokens + 1)
             engine.speculator = None
@@ -137,7 +148,13 @@ def main() -> int:
             row["ahead"] = (engine.runner.run_ahead_hits - hits) / steps
             spec = res["spec"]
             row["verify_steps"] = spec.verified.num_verify_steps if spec is not None else 0
-            print(f"round {r} {m}: {res['tok_s']:.0f} tok/s", file=sys.stderr)
+            tries = {
+                a: (v - arms.get(a, (0, 0))[0], x - arms.get(a, (0, 0))[1])
+                for a, (v, x) in arm_counts(specs[m]).items()
+            }  # this run's (verify, exploration) steps per proposer
+            print(f"round {r} {m}: {res['tok_s']:.0f} tok/s, verify/explore steps {tries}, "
+                  f"draft forwards {clock.seconds['draft_forward'] * 1e3:.1f} ms",
+                  file=sys.stderr)  # fmt: skip
             if r:
                 rows[m].append(row)
     cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us", "ahead", "gc",

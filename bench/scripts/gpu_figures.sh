@@ -48,12 +48,14 @@
 #   bench/scripts/gpu_figures.sh fin4    30B-A3B decode with the tile and the "once" MoE gate/up;
 #                                        30B figures; tiny-pair speculation and step phases;
 #                                        greedy GPU vs CPU; GPU tests of the once kernel
+#   bench/scripts/gpu_figures.sh dip     the tiny pair's step phases, auto and draft modes, with
+#                                        each round's verify/exploration steps per proposer
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -343,6 +345,12 @@ case $part in
       --json "$out/greedy.json" | tail -8
     timeout 60 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider \
       -k "once or cfg3" 2>&1 | tail -3
+    ;;
+  dip)
+    for kind in prose copy; do
+      timeout 100 python3 bench/spec_phases.py --kind $kind --rounds 6 --modes plain,auto,draft \
+        2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
