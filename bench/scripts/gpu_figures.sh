@@ -50,12 +50,14 @@
 #                                        greedy GPU vs CPU; GPU tests of the once kernel
 #   bench/scripts/gpu_figures.sh dip     the tiny pair's step phases, auto and draft modes, with
 #                                        each round's verify/exploration steps per proposer
+#   bench/scripts/gpu_figures.sh dgraph  tiny-pair speculation on copy prompts with the draft
+#                                        model's decode graphs on
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -351,6 +353,27 @@ case $part in
       timeout 100 python3 bench/spec_phases.py --kind $kind --rounds 6 --modes plain,auto,draft \
         2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"
     done
+    ;;
+  dgraph)  # the draft model's decode graphs switched on (they are off by default)
+    timeout 110 python3 - <<'PY' 2>&1 | grep -v "^USDT" | tail -24
+import runpy
+import sys
+
+import moestream.spec.draft as d
+
+init = d.DraftModelProposer.__init__
+
+
+def with_graphs(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.use_graphs = True
+
+
+d.DraftModelProposer.__init__ = with_graphs
+sys.argv = ["spec_figures.py", "--device", "cuda", "--rounds", "2", "--prompts", "2",
+            "--tokens", "128", "--kinds", "copy"]
+runpy.run_path("bench/spec_figures.py", run_name="__main__")
+PY
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
