@@ -111,6 +111,14 @@ profile_b() {  # profile_b BATCH: top kernels of a 512-token prefill and of deco
     --batch "$1" --decode-tokens 16 --rows 40 > "$out/profile_b$1.txt" 2>&1
   echo "[profile b=$1 rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$1.txt" | head -90
 }
+ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of the 30B's decode
+  # (batch 1 and 8 requests); PRELUDE is Python run before the CLI (the arm's patch)
+  timeout "$4" python3 -c "${3}import sys; from moestream.cli import main; sys.exit(main())" \
+    bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
+    --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$2" > /tmp/r/ab.log 2>&1
+  echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
+  cp "/tmp/r/ab_$2/result.json" "$out/ab_$1_$2.json" 2>/dev/null
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
@@ -311,11 +319,7 @@ case $part in
     old='import moestream.kernels.router as r; r.fused_route.__kwdefaults__.update(programs_per_token=64, num_warps=4); '
     for shape in old new old new; do
       pre=""; [[ $shape == old ]] && pre=$old
-      timeout 150 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
-        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
-        --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$shape" > /tmp/r/ab.log 2>&1
-      echo "[router $shape rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
-      cp "/tmp/r/ab_$shape/result.json" "$out/ab_router_$shape.json" 2>/dev/null
+      ab_decode router "$shape" "$pre" 150
     done
     prefix
     ;;
@@ -330,11 +334,7 @@ case $part in
     tile='import moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = m.MoeMmvqConfig(); '
     for arm in tile once; do
       pre=""; [[ $arm == tile ]] && pre=$tile
-      timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
-        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
-        --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$arm" > /tmp/r/ab.log 2>&1
-      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
-      cp "/tmp/r/ab_$arm/result.json" "$out/ab_moe_$arm.json" 2>/dev/null
+      ab_decode moe "$arm" "$pre" 100
     done
     bench q30 200 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \

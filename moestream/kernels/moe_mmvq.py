@@ -164,6 +164,26 @@ def _store_q8(h, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
     tl.store(hs_ptr + a64 * (F // 32) + blk, d * tl.sum(q).to(tl.float32))
 
 
+@triton.jit
+def _pair_operands(a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_ge, stride_ue,
+                   xq_ptr, xd_ptr, xs_ptr, stride_xq, stride_xd, TOPK: tl.constexpr,
+                   ADDR: tl.constexpr):  # fmt: skip
+    """(gate base, up base, xq, xd, xs) of assignment a: its expert's weights at slot
+    expert_slot[e] of the stacks, or with ADDR at the byte addresses addr[0, e] and
+    addr[1, e] of an [3, E_ADDR] int64 table; its token's q8 activation rows."""
+    eid = tl.load(ids_ptr + a)
+    if ADDR:
+        # 16-byte aligned (the caller's contract): lets the weight loads stay vectorized
+        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
+        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
+    else:
+        slot = tl.load(slot_ptr + eid).to(tl.int64)
+        g_base = g_ptr + slot * stride_ge
+        u_base = u_ptr + slot * stride_ue
+    t = (a // TOPK).to(tl.int64)
+    return g_base, u_base, xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+
+
 @triton.jit(do_not_specialize=["A"])  # one build at every T: see `_row_sums`
 def _gate_up_mmvq_kernel(
     xq_ptr, xd_ptr, xs_ptr, ids_ptr, slot_ptr, g_ptr, u_ptr, hq_ptr, hd_ptr, hs_ptr, addr_ptr,
@@ -189,17 +209,10 @@ def _gate_up_mmvq_kernel(
     blk = tl.program_id(1)
     s = tl.program_id(2)
     n = (blk * 32 + tl.arange(0, 32)).to(tl.int64)  # F is a multiple of 256: no tail
-    eid = tl.load(ids_ptr + a)
-    if ADDR:
-        # 16-byte aligned (the caller's contract): lets the weight loads stay vectorized
-        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
-        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
-    else:
-        slot = tl.load(slot_ptr + eid).to(tl.int64)
-        g_base = g_ptr + slot * stride_ge
-        u_base = u_ptr + slot * stride_ue
-    t = (a // TOPK).to(tl.int64)
-    xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+    g_base, u_base, xq, xd, xs = _pair_operands(
+        a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_ge, stride_ue,
+        xq_ptr, xd_ptr, xs_ptr, stride_xq, stride_xd, TOPK, ADDR,
+    )  # fmt: skip
     g_rows = g_base + n * stride_gn  # [32]
     u_rows = u_base + n * stride_un
     GPS: tl.constexpr = H_GROUPS // SPLIT
@@ -260,16 +273,10 @@ def _gate_up_once_kernel(
     pdl_start(PDL)
     a = tl.program_id(0)
     nb = tl.program_id(1)
-    eid = tl.load(ids_ptr + a)
-    if ADDR:
-        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
-        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
-    else:
-        slot = tl.load(slot_ptr + eid).to(tl.int64)
-        g_base = g_ptr + slot * stride_ge
-        u_base = u_ptr + slot * stride_ue
-    t = (a // TOPK).to(tl.int64)
-    xq, xd, xs = xq_ptr + t * stride_xq, xd_ptr + t * stride_xd, xs_ptr + t * stride_xd
+    g_base, u_base, xq, xd, xs = _pair_operands(
+        a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_ge, stride_ue,
+        xq_ptr, xd_ptr, xs_ptr, stride_xq, stride_xd, TOPK, ADDR,
+    )  # fmt: skip
     n0 = (nb * BLOCK_N).to(tl.int64)  # F is a multiple of 256: no tail
     RG: tl.constexpr = (8 if QG == 8 else 4) * G
     RU: tl.constexpr = (8 if QU == 8 else 4) * G
@@ -447,6 +454,14 @@ def mmvq_counters(assignments: int, f: int, device: torch.device | str) -> torch
     return arrival_counters(assignments * (f // 32), device)
 
 
+def _arrivals(counters: torch.Tensor | None, a: int, f: int, device: torch.device) -> torch.Tensor:
+    """The gate/up epilogue's arrival counters: the caller's, checked, or fresh ones."""
+    if counters is None:
+        counters = mmvq_counters(a, f, device)
+    check_counters(counters, a * (f // 32), device)
+    return counters
+
+
 def _divisor_at_most(n: int, most: int) -> int:
     return max(c for c in range(1, min(n, most) + 1) if n % c == 0)
 
@@ -499,10 +514,7 @@ def fused_moe_mmvq(
         hf = count = hd  # unused pointers when a program writes whole q8 blocks
         if block_n < 32:
             hf = torch.empty((a, f), dtype=torch.float32, device=x.device)
-            if counters is None:
-                counters = mmvq_counters(a, f, x.device)
-            check_counters(counters, a * (f // 32), x.device)
-            count = counters
+            count = _arrivals(counters, a, f, x.device)
         groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
         sub = min(8 if q == GGMLQuantizationType.Q8_0 else 4 for q in (gate.qtype, up.qtype))
         _gate_up_once_kernel[(a, f // block_n)](
@@ -517,10 +529,7 @@ def fused_moe_mmvq(
         part = count = hd  # unused pointers without a split
         if split > 1:
             part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
-            if counters is None:
-                counters = mmvq_counters(a, f, x.device)
-            check_counters(counters, a * (f // 32), x.device)
-            count = counters
+            count = _arrivals(counters, a, f, x.device)
         _gate_up_mmvq_kernel[(a, f // 32, split)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
