@@ -275,7 +275,8 @@ def _moe_gather_kernel(x_ptr, ids_ptr, out_ptr, A, H, stride_x, stride_o,
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
-    a = tl.load(ids_ptr + r).to(tl.int64)
+    # The id broadcast to a vector: Triton 3.9's interpreter rejects a scalar term in a mask.
+    a = tl.load(ids_ptr + r).to(tl.int64) + tl.zeros([BLOCK_H], tl.int64)
     row = tl.load(x_ptr + (a // TOPK) * stride_x + cols, mask=ok & (a < A), other=0.0)
     tl.store(out_ptr + r * stride_o + cols, row, mask=ok)
 
