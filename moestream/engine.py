@@ -94,6 +94,7 @@ class Engine:
         num_blocks = self._num_blocks(cache, kv_dtype, draft_bytes)
         if draft is not None:
             draft.resize_kv(num_blocks)
+            self._warm_up(speculator)
         self.kv = model.make_kv_cache(num_blocks, cache.block_size, kv_dtype)
         self.scheduler = Scheduler(
             block_size=cache.block_size,
@@ -258,7 +259,16 @@ class Engine:
                 self.scheduler.allocator.num_blocks,
             )
             draft.resize_kv(blocks)
+            self._warm_up(speculator)
         return speculator
+
+    def _warm_up(self, speculator: Speculator) -> None:
+        """On a GPU, run the draft model once before any request (`DraftModelProposer.warm_up`:
+        its kernels compile then, not in a request's first round, where the picker would
+        measure the compilation as the draft's cost)."""
+        draft = speculator.draft_model
+        if draft is not None and self.device.type == "cuda":
+            draft.warm_up(speculator.config.max_k)
 
     def spec_stats(self) -> dict[str, Any] | None:
         """Speculation counters (tau, acceptance by position, per proposer); None when off."""

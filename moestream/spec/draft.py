@@ -80,13 +80,13 @@ class DraftModelProposer(Proposer):
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.max_prefill_tokens = max_prefill_tokens
         self._states: dict[str, _DraftState] = {}
-        self.num_forwards = 0  # forwards run so far (the picker divides measured time by it)
         # Decode graphs over the draft pool, made at first use where the model can be captured
         # (`decode_graphs_for`) when `use_graphs` (module docstring: off until a measured
         # slowdown of the other modes is understood).
         self.use_graphs = False
         self._graphs: DecodeGraphs | None = None
         self._graphs_made = False
+        self._warm = False  # `warm_up` ran on this pool
 
     @classmethod
     def from_file(
@@ -156,6 +156,7 @@ class DraftModelProposer(Proposer):
         dtype = self.kv.dtype
         self.kv = None  # free the old pool first
         self._graphs, self._graphs_made = None, False  # they read the old pool
+        self._warm = False
         self.kv = self.model.make_kv_cache(num_blocks, self.block_size, dtype)
         self.allocator = BlockAllocator(num_blocks, self.block_size)
 
@@ -171,6 +172,26 @@ class DraftModelProposer(Proposer):
 
     def request_ids(self) -> list[str]:
         return list(self._states)
+
+    WARM_UP_ID = "\x00draft-warm-up"  # not an id the engine or the server gives a request
+
+    def warm_up(self, num_drafts: int, prompt_tokens: int = 16) -> None:
+        """Draft `num_drafts` tokens for a made-up request of `prompt_tokens` tokens and drop
+        it: a catch-up forward and single-token forwards, the shapes of a request's first
+        round and of every later one. On a GPU this compiles the draft's kernels (and
+        captures its decode graphs when `use_graphs`) before a request pays for it and before
+        the picker measures a draft forward: a first try that compiles costs seconds (3.25 s
+        on the H200 for the tiny pair) and would price the draft arm out for long. Once per
+        KV pool (`resize_kv` makes new graphs); leaves no state, every block back in the pool.
+        """
+        if self._warm:
+            return
+        tokens = [i % self.model.config.vocab_size for i in range(prompt_tokens)]
+        try:
+            self.propose([ProposalInput(self.WARM_UP_ID, tokens, [], num_drafts)])
+        finally:
+            self.release(self.WARM_UP_ID)
+        self._warm = True
 
     # ---- proposing -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -261,7 +282,6 @@ class DraftModelProposer(Proposer):
         graphs = self.graphs
         if graphs is None or not 0 < len(rows) <= graphs.max_batch:
             return None
-        self.num_forwards += 1
         return graphs.run_decode(ids, [p for _, p in rows], [r.state.block_ids for r, _ in rows])
 
     def _forward(self, feeds: list[tuple[_Row, list[int]]], want_logits: bool) -> torch.Tensor:
@@ -293,7 +313,6 @@ class DraftModelProposer(Proposer):
         )  # [T]
         attn = AttentionMetadata.build(seqs, self.block_size, self.device)
         hidden = self.model.forward(ids, positions, attn, self.kv)  # [T, H]
-        self.num_forwards += 1
         if not want_logits:
             return hidden
         last = attn.query_start_loc[1:].long() - 1  # [B]

@@ -52,6 +52,7 @@ class Speculator:
     def __init__(self, config: SpecConfig, proposers: Sequence[Proposer]) -> None:
         self.config = config
         self.proposers = {p.name: p for p in proposers}
+        self._free = any(not p.costs_forward for p in proposers)  # a proposer without forwards
         self.picker = Picker(
             [p.name for p in proposers],
             config.max_k,
@@ -184,8 +185,9 @@ class Speculator:
         since the last round, which grows with the rounds skipped: in a long idle stretch on
         a small model the skips reach the cap.) A request that stops copying for a token or two (a
         renamed variable) loses no round; one that never copies costs little. A request that
-        decodes for the first time since the last round, or a round that drafts (or would
-        have), ends the skipping; a round that drafts nothing but exploration tries does not
+        decodes for the first time since the last round gets a round (and, with a free
+        proposer, the skips ramp up from the start again); a round that drafts (or would
+        have) ends the skipping; a round that drafts nothing but exploration tries does not
         count as drafting. Proposers catch up on skipped tokens at the next round."""
         start = time.perf_counter()
         self.draft_forward_seconds = 0.0
@@ -227,7 +229,12 @@ class Speculator:
             self._round_size = len(inputs)
         self._skip = 0
         self.deferred = False
-        if new_request:  # its first round comes now; then it counts as idle soon
+        if new_request and self._free:
+            # Its first round comes now, and the skips ramp up again from the start: a free
+            # proposer (n-gram) may find the new request's text worth copying within a few
+            # tokens. A model arm's price does not depend on the request (its acceptance
+            # starts from the estimate over all requests), so with model arms alone the
+            # new request has this round and the skipping goes on where it was.
             self._idle_rounds = min(self._idle_rounds, IDLE_AFTER - 1)
         if not inputs:
             return

@@ -171,6 +171,35 @@ def test_capacity_skips_and_release_frees_blocks(model, prompts):
     prop.allocator.check_invariants()
 
 
+def test_warm_up_runs_the_draft_once_per_pool_and_leaves_nothing(model, prompts, monkeypatch):
+    """`warm_up` (the engine calls it on a GPU, so kernels compile before a request pays):
+    a catch-up forward and single-token forwards, then no request, no block held, and
+    requests after it get the same drafts as on a fresh pool. Once per pool: again only
+    after `resize_kv`."""
+    prop = DraftModelProposer(model, num_blocks=16, block_size=BS)
+    forwards = 0
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        nonlocal forwards
+        forwards += 1
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    prop.warm_up(4)
+    assert forwards == 4  # the 16-token catch-up giving the first draft, then 3 single tokens
+    assert prop.num_requests == 0 and prop.allocator.num_used == 0
+    prop.warm_up(4)
+    assert forwards == 4
+    assert propose_one(prop, "a", prompts[0], [], 4) == greedy_reference(model, prompts[0], 4)
+    prop.release("a")
+    prop.resize_kv(8)
+    before = forwards
+    prop.warm_up(2)
+    assert forwards == before + 2
+    prop.allocator.check_invariants()
+
+
 def test_vocabulary_mismatch_is_rejected(model, source):
     tokens = source.metadata["tokenizer.ggml.tokens"]
     DraftModelProposer.check_compatible(model.config, 4096, "d.gguf", tokens, list(tokens))

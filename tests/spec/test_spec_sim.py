@@ -168,3 +168,33 @@ def test_nothing_to_copy_costs_nothing(engine, clock, kind):
     stats = spec[1].stats
     assert stats.total.num_verify_steps <= 12, stats.as_dict()
     assert spec_runner.num_dropped == 0
+
+
+def test_a_priced_out_draft_model_is_not_asked_again_per_request(engine, clock):
+    """Draft mode where the draft model's forwards (real, on this CPU: milliseconds) cost far
+    more than the simulated target's 0.2 ms step, so drafting never pays: each new request
+    gets one round, but the skipped rounds keep their length from request to request (a
+    model arm's price does not depend on the request). Before, the skips ramped up from one
+    again at every request: 37 rounds for these five requests, now 11."""
+    from moestream.cli import DEMO_DRAFT
+
+    prompts, truth = workload("fresh", n_req=6, n_out=N_OUT, seed=1)
+    simulated(engine, clock, truth, None)
+    engine.speculator = engine.build_speculator(
+        SpecConfig(mode="draft", draft_model=str(DEMO_DRAFT))
+    )
+    spec = engine.speculator
+    rounds = 0
+    choose = spec.picker.choose
+
+    def counted(*args, **kw):
+        nonlocal rounds
+        rounds += 1
+        return choose(*args, **kw)
+
+    spec.picker.choose = counted
+    decode_time(engine, {"r0": prompts.pop("r0")}, truth)  # the first request sets the ramp
+    rounds = 0
+    decode_time(engine, prompts, truth)
+    assert rounds < 4 * len(prompts), rounds
+    assert spec.stats.total.num_verify_steps <= 3, spec.stats.as_dict()
