@@ -2,11 +2,16 @@
 
 Imported only where triton is available (by the kernel modules, which `ops` imports lazily).
 
+Types: Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (`GROUP_BYTES`).
+
 Contract shared by every kernel: a weight row is a run of GGUF blocks; `unpack_superblock(rows,
-sb, magic, QTYPE)` reads group `sb` (super-block `sb` for K-quants, blocks 8sb..8sb+7 for Q8_0)
-of each row as two "planes" [BN, NG, G] of exact integer quants in float32, with the scale s and
-min m [BN, NG, 1] of each run of G (values = q * s - m; `dequant_superblock` applies them). Each
-byte is loaded once and its two fields feed the two planes. A plane is in a permuted k order;
+sb, magic, QTYPE)` reads group `sb` (super-block `sb` for K-quants and IQ4_XS, blocks 8sb..8sb+7
+for the 32-value types) of each row as two "planes" [BN, NG, G] of exact integer quants in
+float32, with the scale s and min m [BN, NG, 1] of each run of G (values = q * s - m;
+`dequant_superblock` applies them). Each byte is loaded once and its two fields feed the two
+planes. The lookup types (IQ4_XS, MXFP4) hold table values as their quants: an int8 from a
+4-bit code through four packed int32 words (`_table_byte`); MXFP4's table is E2M1 doubled and
+its scale the E8M0 exponent halved, as gguf decodes it. A plane is in a permuted k order;
 `plane_k_offsets(p, QTYPE)` [NG, G] gives the k offset (within the 256) of each element, so a
 kernel loads activations with the same offsets (contiguous runs of G) and either multiplies
 elementwise (GEMV) or reshapes both to [., 128] for `tl.dot` (GEMM): a permutation of k applied
@@ -19,11 +24,13 @@ int-to-float conversion runs at a quarter rate. `magic` is a kernel argument (a 
 immediate) so that mask-and-OR compiles to a single LOP3.
 
 Values are computed with gguf's float32 operations in its order (`moestream.weights.dequant_k`
-documents the layouts): s = d * sc, then q * s (- dmin * m). The GPU compiler may contract a
-multiply and a subtract into one FMA, so results can differ from the reference by an ulp.
+and `dequant_blocks` document the layouts): s = d * sc, then q * s (- dmin * m). The GPU
+compiler may contract a multiply and a subtract into one FMA, so results can differ from the
+reference by an ulp.
 
 Rows are given as uint8 pointers [BN] to their first byte; callers clamp out-of-range rows to a
-valid one (no masks here) and mask the store instead.
+valid one (no masks here) and mask the store instead. The planes read each field with loads no
+wider than its alignment in a 2-byte aligned row (MXFP4's 17-byte blocks: bytes only).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from moestream.weights.dequant_blocks import FP4_E2M1_X2_VALUES, IQ4_NL_VALUES
 from moestream.weights.qtensor import QTensor
 
 # GGML type ids (constexpr so @jit code can compare against them).
@@ -42,6 +50,8 @@ Q3_K = tl.constexpr(11)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+IQ4_XS = tl.constexpr(23)
+MXFP4 = tl.constexpr(39)
 
 GROUP = 256  # values per `unpack_superblock` call
 MAGIC = 0x4B000000  # float32 bits of 2^23: pass as the `magic` kernel argument
@@ -53,13 +63,32 @@ GROUP_BYTES: dict[GGMLQuantizationType, int] = {
     GGMLQuantizationType.Q4_K: 144,
     GGMLQuantizationType.Q5_K: 176,
     GGMLQuantizationType.Q6_K: 210,
+    GGMLQuantizationType.IQ4_XS: 136,
+    GGMLQuantizationType.MXFP4: 8 * 17,
 }
+
+
+def _table_words(values: tuple[int, ...], bias: int) -> tuple[tl.constexpr, ...]:
+    """A 16-entry table of small ints as four int32 words: byte i % 4 of word i // 4 holds
+    entry i + bias (0..255) (`_table_byte`)."""
+    chunks = (bytes(v + bias for v in values[i : i + 4]) for i in range(0, 16, 4))
+    return tuple(tl.constexpr(int.from_bytes(c, "little", signed=True)) for c in chunks)
+
+
+IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3 = _table_words(IQ4_NL_VALUES, 128)
+FP4_W0, FP4_W1, FP4_W2, FP4_W3 = _table_words(FP4_E2M1_X2_VALUES, 12)
 
 
 @triton.jit
 def _f16(ptr):
     """The little-endian float16 at `ptr` (2-byte aligned) as float32."""
     return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _word(ptr, TY: tl.constexpr):
+    """The little-endian TY (uint8/int16/int32) at `ptr` (uint8 pointers, aligned), as int32."""
+    return tl.load(ptr.to(tl.pointer_type(TY))).to(tl.int32)
 
 
 @triton.jit
@@ -72,6 +101,33 @@ def _low(bits, OFFSET: tl.constexpr):
 def _high(bits, OFFSET: tl.constexpr):
     """float32(u - OFFSET) from bits = magic | (u << 4), in one FMA: (2^23 + 16u) / 16 is exact."""
     return bits.to(tl.float32, bitcast=True) * 0.0625 - (524288.0 + OFFSET)
+
+
+@triton.jit
+def _table_byte(code, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
+    """Entry `code` (int32, 0..15) of the table packed in W0..W3 (`_table_words`): a word picked
+    by two selects, then a shift and a mask."""
+    w = tl.where(code < 8, tl.where(code < 4, W0, W1), tl.where(code < 12, W2, W3))
+    return (w >> (8 * (code & 3))) & 0xFF
+
+
+@triton.jit
+def _iq4_nl(code, magic):
+    """IQ4_NL_VALUES[code] as float32 (exact)."""
+    return _low(_table_byte(code, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3) | magic, 128)
+
+
+@triton.jit
+def _fp4(code, magic):
+    """FP4_E2M1_X2_VALUES[code] (the E2M1 value doubled) as float32 (exact; code 8 gives +0)."""
+    return _low(_table_byte(code, FP4_W0, FP4_W1, FP4_W2, FP4_W3) | magic, 12)
+
+
+@triton.jit
+def _e8m0_half(e):
+    """E8M0 exponent byte e (int32) -> 2^(e - 127) / 2 as float32 from its bits (subnormal for
+    e < 2), as `dequant_blocks.e8m0_to_float_half`."""
+    return tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -209,12 +265,39 @@ def _q8_0(rows, sb, magic):
     return q0, q1, _f16(blk0), _f16(blk1), 0.0, 0.0
 
 
+# The split-nibble types below share one plane layout: plane p, element (c, j) is nibble p of
+# byte j of run c of 16 quant bytes, k = 32c + 16p + j (`plane_k_offsets`).
+
+
+@triton.jit
+def _iq4_xs(rows, sb, magic):
+    # Run s: qs[16s:16s+16] (byte 8), codes into IQ4_NL_VALUES. 6-bit scale s: nibble s % 2 of
+    # scales_l[s // 2] (byte 4) | bits 2s of scales_h (u16 at 2) << 4, minus 32; d f16 at 0.
+    blk = rows[:, None, None] + sb * 136
+    s = tl.arange(0, 8)[None, :, None]
+    qs = tl.load(blk + 8 + 16 * s + tl.arange(0, 16)[None, None, :]).to(tl.int32)  # [BN, 8, 16]
+    lo = (tl.load(blk + 4 + s // 2).to(tl.int32) >> (4 * (s % 2))) & 15  # [BN, 8, 1]
+    hi = (_word(blk + 2, tl.int16) >> (2 * s)) & 3
+    dl = _f16(blk) * ((lo | (hi << 4)).to(tl.float32) - 32.0)
+    return _iq4_nl(qs & 0x0F, magic), _iq4_nl(qs >> 4, magic), dl, dl, 0.0, 0.0
+
+
+@triton.jit
+def _mxfp4(rows, sb, magic):
+    # Run c: block 8sb + c (17 bytes: E8M0 e | qs[16]), codes into FP4_E2M1_X2_VALUES; the
+    # scale is e halved (`_e8m0_half`). Bytes only: blocks have no alignment.
+    blk = rows[:, None, None] + sb * 136 + 17 * tl.arange(0, 8)[None, :, None]  # [BN, 8, 1]
+    qs = tl.load(blk + 1 + tl.arange(0, 16)[None, None, :]).to(tl.int32)  # [BN, 8, 16]
+    d = _e8m0_half(tl.load(blk).to(tl.int32))
+    return _fp4(qs & 0x0F, magic), _fp4(qs >> 4, magic), d, d, 0.0, 0.0
+
+
 @triton.jit
 def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
     """Group `sb` of rows `rows` ([BN] uint8 pointers), factored: (q0, q1, s0, s1, m0, m1)
     with the integer quants of each plane as float32 [BN, NG, G] (exact), their sub-block
     scales s and mins m as float32 [BN, NG, 1] (m is 0.0 for types without a min); the values
-    are q * s - m. Planes are [4, 32] for Q4_K, Q5_K, Q8_0 and [8, 16] for Q2_K, Q3_K, Q6_K.
+    are q * s - m. Planes are [4, 32] for Q4_K, Q5_K, Q8_0 and [8, 16] for the others.
     `magic` is the int32 MAGIC, passed in as a kernel argument."""
     if QTYPE == Q4_K:
         out = _q4_k(rows, sb, magic)
@@ -226,9 +309,13 @@ def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
         out = _q8_0(rows, sb, magic)
     elif QTYPE == Q2_K:
         out = _q2_k(rows, sb, magic)
-    else:
-        tl.static_assert(QTYPE == Q3_K, "unsupported GGML type")
+    elif QTYPE == Q3_K:
         out = _q3_k(rows, sb, magic)
+    elif QTYPE == IQ4_XS:
+        out = _iq4_xs(rows, sb, magic)
+    else:
+        tl.static_assert(QTYPE == MXFP4, "unsupported GGML type")
+        out = _mxfp4(rows, sb, magic)
     return out
 
 
@@ -249,9 +336,12 @@ def plane_k_offsets(P: tl.constexpr, QTYPE: tl.constexpr):
     elif QTYPE == Q8_0:
         c = tl.arange(0, 4)[:, None]
         offs = 128 * P + 32 * c + tl.arange(0, 32)[None, :]
-    else:
+    elif QTYPE == Q2_K or QTYPE == Q3_K or QTYPE == Q6_K:  # noqa: SIM109
         g = tl.arange(0, 8)[:, None]
         offs = 128 * (g // 4) + 64 * P + 16 * (g % 4) + tl.arange(0, 16)[None, :]
+    else:  # split nibbles
+        c = tl.arange(0, 8)[:, None]
+        offs = 32 * c + 16 * P + tl.arange(0, 16)[None, :]
     return offs
 
 
@@ -322,8 +412,9 @@ def num_sms(device: torch.device) -> int:
 # - sub-block scales come from loads of one value per (row, group) [BR, GS, 1, 1] (cheap for
 #   the compiler to repeat in any layout), picked per sub-block by shifts and selects; a
 #   [BR, GS, NS, 1] load would fix a layout of its own and force a conversion of the tile.
-# Scale words are read as int32 (Q4_K, Q5_K, Q2_K: 4-byte aligned blocks) or int16 (Q6_K,
-# Q3_K, Q8_0); `dequantize_rows` takes this path only for data at a 16-byte aligned address.
+# Scale words are read as int32 (Q4_K, Q5_K, Q2_K: 4-byte aligned blocks), int16 (Q6_K, Q3_K,
+# Q8_0, IQ4_XS) or bytes (MXFP4); `dequantize_rows` takes this path only for data aligned to
+# them (`dequant_mm.WORD_ALIGN`).
 
 
 @triton.jit
@@ -335,15 +426,35 @@ def _runs_of_8(N: tl.constexpr):
 
 
 @triton.jit
-def _word(ptr, TY: tl.constexpr):
-    """The little-endian TY (int16/int32) at `ptr` (uint8 pointers, aligned), as int32."""
-    return tl.load(ptr.to(tl.pointer_type(TY))).to(tl.int32)
-
-
-@triton.jit
 def _byte(word, b):
     """Byte b (int tensor) of little-endian int32 words (uint8 value, as int32)."""
     return (word >> (8 * b)) & 0xFF
+
+
+@triton.jit
+def _block_word(blk, s, BYTES: tl.constexpr, OFF: tl.constexpr, TY: tl.constexpr):
+    """`_word` at byte OFF of block s ([NS, 1], 0..7) of the blocks of BYTES at `blk`
+    ([BR, GS, 1, 1]) as int32 [BR, GS, NS, 1]: one load per block, picked by s."""
+    w = _word(blk + OFF, TY) + tl.zeros_like(s)
+    for i in tl.static_range(1, 8):
+        w = tl.where(s == i, _word(blk + BYTES * i + OFF, TY), w)
+    return w
+
+
+@triton.jit
+def _block_f16(blk, s, BYTES: tl.constexpr, OFF: tl.constexpr):
+    """As `_block_word` for the float16 at byte OFF of each block, as float32."""
+    d = _f16(blk + OFF) + tl.zeros_like(s).to(tl.float32)
+    for i in tl.static_range(1, 8):
+        d = tl.where(s == i, _f16(blk + BYTES * i + OFF), d)
+    return d
+
+
+@triton.jit
+def _split_nibble(qs, j):
+    """Code of value j (0..31) of the 32 split nibbles in the 16 bytes at `qs`: nibble j // 16
+    of byte j % 16, as int32."""
+    return (tl.load(qs + j % 16).to(tl.int32) >> (4 * (j // 16))) & 0x0F
 
 
 @triton.jit
@@ -452,17 +563,36 @@ def _q8_0_groups(blk, magic):
     s = tl.arange(0, 8)[:, None]
     j = _runs_of_8(32)[None, :]
     q = _low((tl.load(blk + 34 * s + 2 + j).to(tl.int32) | magic) ^ 0x80, 128)  # [BR, GS, 8, 32]
-    d = _f16(blk) + tl.zeros_like(s).to(tl.float32)  # [BR, GS, 8, 1]
-    for i in tl.static_range(1, 8):
-        d = tl.where(s == i, _f16(blk + 34 * i), d)
-    return q * d
+    return q * _block_f16(blk, s, 34, 0)  # [BR, GS, 8, 1] scales
+
+
+@triton.jit
+def _iq4_xs_groups(blk, magic):
+    # value 32s + j: `_split_nibble` j of qs[16s:16s+16] (byte 8); scale s as `_iq4_xs`, with
+    # scales_l read as two int16 (bytes 4-5 and 6-7).
+    s = tl.arange(0, 8)[:, None]
+    j = _runs_of_8(32)[None, :]
+    q = _iq4_nl(_split_nibble(blk + 8 + 16 * s, j), magic)  # [BR, GS, 8, 32]
+    lo = tl.where(s < 4, _word(blk + 4, tl.int16), _word(blk + 6, tl.int16))  # [BR, GS, 8, 1]
+    lo = (lo >> (4 * (s % 4))) & 15
+    hi = (_word(blk + 2, tl.int16) >> (2 * s)) & 3
+    return q * (_f16(blk) * ((lo | (hi << 4)).to(tl.float32) - 32.0))
+
+
+@triton.jit
+def _mxfp4_groups(blk, magic):
+    # value 32s + j: `_split_nibble` j of block 8sb + s (17 bytes: E8M0 e | qs[16]); bytes only.
+    s = tl.arange(0, 8)[:, None]
+    j = _runs_of_8(32)[None, :]
+    q = _fp4(_split_nibble(blk + 17 * s + 1, j), magic)  # [BR, GS, 8, 32]
+    return q * _e8m0_half(_block_word(blk, s, 17, 0, tl.uint8))
 
 
 @triton.jit
 def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
     """Values of groups `sb` ([GS] int) of rows `rows` ([BR] uint8 pointers, 16-byte aligned
-    rows) as float32 [BR, GS, NS, SUB] in k order (`group_k_offsets`): [8, 32] for Q4_K, Q5_K,
-    Q8_0 and [16, 16] for Q2_K, Q3_K, Q6_K. The same bits as `dequant_superblock`."""
+    rows) as float32 [BR, GS, NS, SUB] in k order (`group_k_offsets`): [16, 16] for Q2_K, Q3_K,
+    Q6_K and [8, 32] for the others. The same bits as `dequant_superblock`."""
     if QTYPE == Q4_K:
         out = _q4_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 144, magic)
     elif QTYPE == Q5_K:
@@ -473,17 +603,21 @@ def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
         out = _q8_0_groups(rows[:, None, None, None] + sb[None, :, None, None] * 272, magic)
     elif QTYPE == Q2_K:
         out = _q2_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 84, magic)
-    else:
-        tl.static_assert(QTYPE == Q3_K, "unsupported GGML type")
+    elif QTYPE == Q3_K:
         out = _q3_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 110, magic)
+    elif QTYPE == IQ4_XS:
+        out = _iq4_xs_groups(rows[:, None, None, None] + sb[None, :, None, None] * 136, magic)
+    else:
+        tl.static_assert(QTYPE == MXFP4, "unsupported GGML type")
+        out = _mxfp4_groups(rows[:, None, None, None] + sb[None, :, None, None] * 136, magic)
     return out
 
 
 @triton.jit
 def group_k_offsets(QTYPE: tl.constexpr):
     """k offsets [NS, SUB] (within the 256-value group) of `dequant_groups`' last two dims."""
-    if QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == Q8_0:  # noqa: SIM109
-        offs = 32 * tl.arange(0, 8)[:, None] + tl.arange(0, 32)[None, :]
-    else:
+    if QTYPE == Q2_K or QTYPE == Q3_K or QTYPE == Q6_K:  # noqa: SIM109
         offs = 16 * tl.arange(0, 16)[:, None] + tl.arange(0, 16)[None, :]
+    else:
+        offs = 32 * tl.arange(0, 8)[:, None] + tl.arange(0, 32)[None, :]
     return offs

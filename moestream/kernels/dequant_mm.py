@@ -89,15 +89,15 @@ T = GGMLQuantizationType
 DEQUANT_SHAPES: dict[tuple[GGMLQuantizationType, int | None], DequantShape] = {
     **{
         (qtype, None): DequantShape(block_r=16, groups=2, warps=4, stream=True)
-        for qtype in (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K)
+        for qtype in (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
     },
     (T.Q4_K, None): DequantShape(block_r=16, groups=2, warps=4),
     (T.Q6_K, None): DequantShape(block_r=16, groups=2, warps=4, stream=True),
     (T.Q6_K, 768): DequantShape(block_r=16, groups=1, warps=4, planes=True),
 }
 # Byte alignment of the scale words `dequant_groups` reads as int32 (int16: 2, the float16 fields'
-# alignment, which every path needs).
-WORD_ALIGN = {T.Q4_K: 4, T.Q5_K: 4, T.Q2_K: 4}
+# alignment, which every path needs; MXFP4 is read a byte at a time).
+WORD_ALIGN = {T.Q4_K: 4, T.Q5_K: 4, T.Q2_K: 4, T.MXFP4: 1}
 
 
 @triton.jit

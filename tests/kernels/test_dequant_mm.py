@@ -35,7 +35,7 @@ from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
 from tests.kernels.test_quant_matmul import random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
-TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
+TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
 
 
 def random_raw(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -126,13 +126,14 @@ def test_expert_stack_into_half_of_a_stacked_buffer(qtype, shape):
             assert buf[e, f:].isnan().all(), e
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
-def test_unaligned_data_takes_the_plane_order(qtype):
+@pytest.mark.parametrize("qtype, offset", [(T.Q4_K, 2), (T.Q6_K, 2), (T.MXFP4, 1)])
+def test_unaligned_data_takes_the_plane_order(qtype, offset):
     """Rows at an odd-halfword address (the k order reads aligned words) still come out exact:
-    the launcher switches to the per-plane order."""
+    the launcher switches to the per-plane order. MXFP4, read a byte at a time, at an odd
+    address."""
     raw = random_raw(qtype, (8, 256), seed=3)
-    buf = torch.zeros(raw.size + 2, dtype=torch.uint8, device=DEVICE)
-    data = buf[2:].view(8, -1)
+    buf = torch.zeros(raw.size + offset, dtype=torch.uint8, device=DEVICE)
+    data = buf[offset:].view(8, -1)
     data.copy_(torch.from_numpy(raw))
     w = QTensor(data, qtype, (8, 256))
     out = torch.full((8, 256), float("nan"), device=DEVICE)

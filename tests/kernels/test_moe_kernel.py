@@ -121,6 +121,28 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     assert default_method(65, q3, up, down) == "gemm"
 
 
+@pytest.mark.parametrize("method", ["gemv", "gemm"])
+def test_fused_moe_lookup_types_take_the_float_paths(method):
+    """IQ4_XS gate and down, MXFP4 up (random blocks: every code and scale): the float paths,
+    which `default_method` picks for types without integer-dot kernels."""
+    from tests.kernels.test_quant_matmul import random_blocks
+
+    def stack(qtype, f, h, seed):
+        w = random_blocks(qtype, 2 * f, h, seed)
+        return QTensor(w.data.view(2, f, -1), qtype, (2, f, h))
+
+    gate, up, down = stack(T.IQ4_XS, FF, H, 1), stack(T.MXFP4, FF, H, 2), stack(T.IQ4_XS, H, FF, 3)
+    assert default_method(4, gate, up, down) == "gemv"
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, H, generator=g) * 1e-3).to(DEVICE)  # random blocks hold values to ~4e3
+    ids = torch.tensor([[0, 1], [1, 0]], device=DEVICE)
+    weights = torch.softmax(torch.randn(2, 2, generator=g), -1).to(DEVICE)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    out = torch.full((2, H), float("nan"), device=DEVICE)
+    fused_moe(x, ids, weights, gate, up, down, slot, out=out, method=method, block_n=128)
+    assert rel_err(out, ops.moe_forward_ref(x, ids, weights, gate, up, down, slot)) < 1e-5
+
+
 def test_fused_moe_q8_0_and_int32_ids():
     """Other weight types, int32 ids, every token on the same expert (one full block)."""
     gate = stacked(T.Q8_0, (2, 256, 256), seed=4)

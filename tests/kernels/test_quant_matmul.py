@@ -32,21 +32,25 @@ from moestream.kernels.quant_gemm import GemmConfig, gemm_config, quant_gemm  # 
 from moestream.kernels.quant_gemv import GemvConfig, gemv_config, quant_gemv  # noqa: E402
 
 T = GGMLQuantizationType
-KERNEL_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K)
+KERNEL_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
 # Byte offsets of each block's float16 scales (given finite values; all other bytes random).
 F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q2_K: (80, 82)}
-F16_FIELDS[T.Q3_K] = (108,)
+F16_FIELDS.update({T.Q3_K: (108,), T.IQ4_XS: (0,), T.MXFP4: ()})
+# Byte offsets of E8M0 exponents, kept to 110..140 (scales 2^-18 .. 2^12).
+E8M0_FIELDS = {T.MXFP4: (0,)}
 
 
 def random_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> QTensor:
-    """[n, k] of random bytes with finite float16 scales of mixed magnitude: every bit pattern
-    of the quants and packed sub-block scales occurs."""
+    """[n, k] of random bytes with finite float16 scales of mixed magnitude (and E8M0 exponents
+    in a bounded range): every bit pattern of the quants and packed sub-block scales occurs."""
     rng = np.random.default_rng(seed)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
     for off in F16_FIELDS[qtype]:
         scale = rng.choice([-1.0, 1.0], len(blocks)) * 2.0 ** rng.uniform(-12, 0, len(blocks))
         blocks[:, off : off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    for off in E8M0_FIELDS.get(qtype, ()):
+        blocks[:, off] = rng.integers(110, 141, len(blocks), dtype=np.uint8)
     return QTensor(torch.from_numpy(blocks.reshape(n, -1)).to(DEVICE), qtype, (n, k))
 
 
