@@ -165,6 +165,15 @@ def _store_q8(h, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
 
 
 @triton.jit
+def _aligned_address(addr):
+    """The uint8 pointer at byte address `addr` (int64), 16-byte aligned by the caller's
+    contract. The hint goes on the pointer: put on the integer, the cast drops it and the
+    weight loads shrink to 32 bits and less (sm_90 builds of the gate/up kernel: 8 instead of
+    20 128-bit loads, 48 instead of 1 32-bit)."""
+    return tl.multiple_of(addr.to(tl.pointer_type(tl.uint8)), 16)
+
+
+@triton.jit
 def _pair_operands(a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_ge, stride_ue,
                    xq_ptr, xd_ptr, xs_ptr, stride_xq, stride_xd, TOPK: tl.constexpr,
                    ADDR: tl.constexpr):  # fmt: skip
@@ -173,9 +182,8 @@ def _pair_operands(a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_
     addr[1, e] of an [3, E_ADDR] int64 table; its token's q8 activation rows."""
     eid = tl.load(ids_ptr + a)
     if ADDR:
-        # 16-byte aligned (the caller's contract): lets the weight loads stay vectorized
-        g_base = tl.multiple_of(tl.load(addr_ptr + eid), 16).to(tl.pointer_type(tl.uint8))
-        u_base = tl.multiple_of(tl.load(addr_ptr + E_ADDR + eid), 16).to(tl.pointer_type(tl.uint8))
+        g_base = _aligned_address(tl.load(addr_ptr + eid))
+        u_base = _aligned_address(tl.load(addr_ptr + E_ADDR + eid))
     else:
         slot = tl.load(slot_ptr + eid).to(tl.int64)
         g_base = g_ptr + slot * stride_ge
@@ -387,8 +395,7 @@ def _down_mmvq_kernel(
                 a = t * TOPK + c + jj  # the assignment (scalar)
                 eid = tl.load(ids_ptr + a)
                 if ADDR:
-                    d_base = tl.multiple_of(tl.load(addr_ptr + 2 * E_ADDR + eid), 16)
-                    d_base = d_base.to(tl.pointer_type(tl.uint8))
+                    d_base = _aligned_address(tl.load(addr_ptr + 2 * E_ADDR + eid))
                 else:
                     d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
                 wt = tl.load(weights_ptr + a).to(tl.float32)

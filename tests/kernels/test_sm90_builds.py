@@ -1,0 +1,88 @@
+"""Properties of the GPU builds of kernels, checked without a GPU: the kernels are compiled for
+sm_90 with the Triton wheel's own ptxas and their PTX is read. (The interpreter that runs the
+other kernel tests on the CPU checks values, not how loads are issued.) The builds run in a
+child process: this one may have the interpreter on (TRITON_INTERPRET=1), which cannot
+compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+# Compiles `kernel` of moestream.kernels.moe_mmvq with the given constexprs for sm_90 (pointers
+# and strides 16-byte aligned, as a launch with aligned tensors specializes them) and prints
+# the number of 128-bit global loads in its PTX, or "SKIP: why" if this triton cannot build.
+BUILD = r"""
+import json, re, sys
+import triton
+from moestream.kernels import moe_mmvq
+POINTERS = {
+    "xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64",
+    "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8", "d_ptr": "*u8", "hq_ptr": "*i32",
+    "hd_ptr": "*fp32", "hs_ptr": "*fp32", "addr_ptr": "*i64", "part_ptr": "*fp32",
+    "hf_ptr": "*fp32", "count_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
+}
+ALIGNED = {"stride_xq", "stride_xd", "stride_ge", "stride_gn", "stride_ue", "stride_un",
+           "stride_de", "stride_dn", "stride_ot"}
+name, constexprs, warps = json.loads(sys.argv[1])
+kernel = getattr(moe_mmvq, name)
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(f"SKIP: {e}"); sys.exit(0)
+names = kernel.arg_names
+sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if n in POINTERS or n in ALIGNED}
+src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+try:
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this build
+    print(f"SKIP: {type(e).__name__}: {str(e)[:200]}"); sys.exit(0)
+print(len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", compiled.asm["ptx"])))
+"""
+
+
+def vector_loads(kernel: str, constexprs: dict, num_warps: int) -> int:
+    """128-bit global loads in the sm_90 PTX of moe_mmvq.`kernel` (see BUILD)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", BUILD, json.dumps([kernel, constexprs, num_warps])],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.strip().splitlines()[-1]
+    if out.startswith("SKIP:"):
+        pytest.skip(f"cannot build for sm_90 here ({out[5:].strip()})")
+    return int(out)
+
+
+# The default decode launches at the Qwen3-30B-A3B shapes, Q4_K weights (Q6_K blocks are only
+# 2-byte aligned: no 128-bit loads either way).
+GATE_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_N=8, ASM=True, PDL=True)
+DOWN = dict(QD=12, F=768, TOPK=8, BLOCK_N=4, G=4, CHUNK=8, TREE=False, ROWS=False, ASM=True)
+DOWN["PDL"] = True
+
+
+@pytest.mark.parametrize(
+    ("kernel", "constexprs", "num_warps"),
+    [("_gate_up_once_kernel", GATE_UP, 2), ("_down_mmvq_kernel", DOWN, 4)],
+    ids=["gate_up_once", "down"],
+)
+def test_zero_copy_weights_load_as_wide_as_slot_weights(kernel, constexprs, num_warps):
+    """The fused MoE reading experts at byte addresses from a table (zero-copy placement, host
+    memory over the host link) issues the same 128-bit weight loads as reading them from the
+    slot stacks (Q4_K, the Qwen3-30B-A3B shapes). An alignment hint put on the address
+    integer instead of the pointer was dropped by the cast: the gate/up kernel then read
+    weights in 32-bit words (128 of them where 34 128-bit loads do)."""
+    slot = vector_loads(kernel, {**constexprs, "ADDR": False}, num_warps)
+    addr = vector_loads(kernel, {**constexprs, "ADDR": True}, num_warps)
+    assert slot >= 16
+    assert addr == slot
