@@ -4,6 +4,10 @@ proposing), the modes interleaved over rounds in one process, with garbage-colle
 and run-ahead hits.
 
     python bench/spec_phases.py [--device cuda] [--rounds 6] [--tokens 128] [--kind copy]
+                                [--modes plain,plain#2,ngram,draft,auto]
+
+A mode named twice with a suffix (`plain#2`) runs as a second arm of its own: how far two
+identical arms differ is the noise floor of every other ratio.
 
 Each phase is timed by wrapping the engine's own methods on the instance (the same wrappers in
 every mode, ~0.2 us each). "other" is the step's time outside the named phases (timing, the
@@ -118,8 +122,9 @@ def main() -> int:
     specs: dict[str, Any] = {}
     for m in modes:
         specs[m] = None
-        if m != "plain":
-            specs[m] = engine.build_speculator(SpecConfig(mode=m, draft_model=str(DEMO_DRAFT)))
+        mode = m.split("#")[0]  # "plain#2": a second arm of the same mode (the noise floor)
+        if mode != "plain":
+            specs[m] = engine.build_speculator(SpecConfig(mode=mode, draft_model=str(DEMO_DRAFT)))
             instrument_speculator(specs[m], clock)
     prompts = [llm.tokenizer.encode(t) for t in prompts_of(args.kind, args.prompts)]
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}

@@ -52,12 +52,19 @@
 #                                        each round's verify/exploration steps per proposer
 #   bench/scripts/gpu_figures.sh dgraph  tiny-pair speculation on copy prompts with the draft
 #                                        model's decode graphs on
+#   bench/scripts/gpu_figures.sh link    host-link bandwidth (DMA, zero-copy kernel); 30B-A3B
+#                                        zero-copy experts at 8 GiB with the weight pointers'
+#                                        alignment hint put on the address (before 7f951f1) and
+#                                        on the pointer, interleaved
+#   bench/scripts/gpu_figures.sh spec5   GPU tests of the draft model and the new quant types;
+#                                        the tiny pair's step phases with plain decode twice
+#                                        (the noise floor) and the draft warmed up at load
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -374,6 +381,38 @@ sys.argv = ["spec_figures.py", "--device", "cuda", "--rounds", "2", "--prompts",
             "--tokens", "128", "--kinds", "copy"]
 runpy.run_path("bench/spec_figures.py", run_name="__main__")
 PY
+    ;;
+  link)
+    timeout 120 python3 bench/host_link.py --json "$out/host_link.json" 2>&1 | tail -14
+    synth qwen3-30b-a3b q30
+    # the hint on the address integer, as before 7f951f1 (the cast dropped it)
+    cat > /tmp/r/old_align.py <<'PY'
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def aligned_address(addr):
+    return tl.multiple_of(addr, 16).to(tl.pointer_type(tl.uint8))
+PY
+    old='import sys; sys.path.insert(0, "/tmp/r"); import old_align; import moestream.kernels.moe_mmvq as m; m._aligned_address = old_align.aligned_address; '
+    for arm in old new old new; do
+      pre=""; [[ $arm == old ]] && pre=$old
+      timeout 150 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8 \
+        --host-expert-cache-gib 24 --expert-zero-copy --prompt-lens 32 --decode-depths 0 \
+        --decode-tokens 16 --repeats 2 --out "/tmp/r/zc_$arm" > /tmp/r/zc.log 2>&1
+      echo "[zero-copy 8 GiB, hint $arm rc=$?]"; grep "^| 0 \|zero-copy\|host link" /tmp/r/zc.log
+      cp "/tmp/r/zc_$arm/result.json" "$out/zc_$arm.json" 2>/dev/null
+    done
+    ;;
+  spec5)
+    timeout 150 python3 -m pytest tests/spec/test_draft.py tests/kernels/test_quant_matmul.py \
+      -q -p no:cacheprovider -x 2>&1 | tail -3
+    for kind in prose copy; do
+      timeout 150 python3 bench/spec_phases.py --kind $kind --rounds 6 \
+        --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
