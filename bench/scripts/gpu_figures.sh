@@ -59,12 +59,14 @@
 #   bench/scripts/gpu_figures.sh spec5   GPU tests of the draft model and the new quant types;
 #                                        the tiny pair's step phases with plain decode twice
 #                                        (the noise floor) and the draft warmed up at load
+#   bench/scripts/gpu_figures.sh mmq     ncu of the MoE's batched-decode (mmq) kernels at 32
+#                                        tokens, 22% of copy bandwidth in the fourth session
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -413,6 +415,13 @@ PY
       timeout 150 python3 bench/spec_phases.py --kind $kind --rounds 6 \
         --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"
     done
+    ;;
+  mmq)
+    timeout 300 ncu --kernel-name regex:'_moe_gate_up_kernel|_moe_down_kernel' --launch-count 4 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats \
+      python3 bench/kernels_gpu.py --only moe > "$out/ncu_mmq.txt" 2>&1
+    echo "[ncu rc=$?]"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_mmq.txt" | head -60
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
