@@ -2,14 +2,15 @@
 
 Imported only where triton is available (by the kernel modules, which `ops` imports lazily).
 
-Types: Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS and MXFP4 (`GROUP_BYTES`).
+Types (`GROUP_BYTES`): the 32-value block types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and MXFP4,
+eight blocks to a group, and the 256-value super-blocks Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS.
 
 Contract shared by every kernel: a weight row is a run of GGUF blocks; `unpack_superblock(rows,
 sb, magic, QTYPE)` reads group `sb` (super-block `sb` for K-quants and IQ4_XS, blocks 8sb..8sb+7
 for the 32-value types) of each row as two "planes" [BN, NG, G] of exact integer quants in
 float32, with the scale s and min m [BN, NG, 1] of each run of G (values = q * s - m;
 `dequant_superblock` applies them). Each byte is loaded once and its two fields feed the two
-planes. The lookup types (IQ4_XS, MXFP4) hold table values as their quants: an int8 from a
+planes. The lookup types (IQ4_NL, IQ4_XS, MXFP4) hold table values as their quants: an int8 from a
 4-bit code through four packed int32 words (`_table_byte`); MXFP4's table is E2M1 doubled and
 its scale the E8M0 exponent halved, as gguf decodes it. A plane is in a permuted k order;
 `plane_k_offsets(p, QTYPE)` [NG, G] gives the k offset (within the 256) of each element, so a
@@ -30,7 +31,8 @@ reference by an ulp.
 
 Rows are given as uint8 pointers [BN] to their first byte; callers clamp out-of-range rows to a
 valid one (no masks here) and mask the store instead. The planes read each field with loads no
-wider than its alignment in a 2-byte aligned row (MXFP4's 17-byte blocks: bytes only).
+wider than its alignment in a 2-byte aligned row (MXFP4's 17-byte blocks: bytes only; Q5_0's
+and Q5_1's u32 high bits: two int16).
 """
 
 from __future__ import annotations
@@ -44,12 +46,17 @@ from moestream.weights.dequant_blocks import FP4_E2M1_X2_VALUES, IQ4_NL_VALUES
 from moestream.weights.qtensor import QTensor
 
 # GGML type ids (constexpr so @jit code can compare against them).
+Q4_0 = tl.constexpr(2)
+Q4_1 = tl.constexpr(3)
+Q5_0 = tl.constexpr(6)
+Q5_1 = tl.constexpr(7)
 Q8_0 = tl.constexpr(8)
 Q2_K = tl.constexpr(10)
 Q3_K = tl.constexpr(11)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+IQ4_NL = tl.constexpr(20)
 IQ4_XS = tl.constexpr(23)
 MXFP4 = tl.constexpr(39)
 
@@ -57,7 +64,12 @@ GROUP = 256  # values per `unpack_superblock` call
 MAGIC = 0x4B000000  # float32 bits of 2^23: pass as the `magic` kernel argument
 # Bytes of a 256-value group, per supported type.
 GROUP_BYTES: dict[GGMLQuantizationType, int] = {
+    GGMLQuantizationType.Q4_0: 8 * 18,
+    GGMLQuantizationType.Q4_1: 8 * 20,
+    GGMLQuantizationType.Q5_0: 8 * 22,
+    GGMLQuantizationType.Q5_1: 8 * 24,
     GGMLQuantizationType.Q8_0: 8 * 34,
+    GGMLQuantizationType.IQ4_NL: 8 * 18,
     GGMLQuantizationType.Q2_K: 84,
     GGMLQuantizationType.Q3_K: 110,
     GGMLQuantizationType.Q4_K: 144,
@@ -112,13 +124,13 @@ def _table_byte(code, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: 
 
 
 @triton.jit
-def _iq4_nl(code, magic):
+def _iq4_nl_value(code, magic):
     """IQ4_NL_VALUES[code] as float32 (exact)."""
     return _low(_table_byte(code, IQ4_W0, IQ4_W1, IQ4_W2, IQ4_W3) | magic, 128)
 
 
 @triton.jit
-def _fp4(code, magic):
+def _fp4_value(code, magic):
     """FP4_E2M1_X2_VALUES[code] (the E2M1 value doubled) as float32 (exact; code 8 gives +0)."""
     return _low(_table_byte(code, FP4_W0, FP4_W1, FP4_W2, FP4_W3) | magic, 12)
 
@@ -266,7 +278,76 @@ def _q8_0(rows, sb, magic):
 
 
 # The split-nibble types below share one plane layout: plane p, element (c, j) is nibble p of
-# byte j of run c of 16 quant bytes, k = 32c + 16p + j (`plane_k_offsets`).
+# byte j of run c of 16 quant bytes, k = 32c + 16p + j (`plane_k_offsets`). For the 32-value
+# types run c is block 8sb + c.
+
+
+@triton.jit
+def _blocks_of_32(rows, sb, BYTES: tl.constexpr):
+    """uint8 pointers [BN, 8, 1] to blocks 8sb .. 8sb + 7 (BYTES each) of rows `rows`."""
+    return rows[:, None, None] + sb * (8 * BYTES) + BYTES * tl.arange(0, 8)[None, :, None]
+
+
+@triton.jit
+def _split_planes(blk, magic, QS: tl.constexpr, QH: tl.constexpr, OFFSET: tl.constexpr):
+    """(q0, q1) [BN, 8, 16] of the blocks at `blk` ([BN, 8, 1]): the split nibbles at byte QS,
+    with bit 4 of value j from bit j of the u32 at byte QH (read as two int16: bytes QH, QH + 1
+    for plane 0) where QH >= 0, minus OFFSET."""
+    j = tl.arange(0, 16)[None, None, :]
+    qs = tl.load(blk + QS + j).to(tl.int32)  # [BN, 8, 16]
+    lo = qs & 0x0F
+    hi = qs & 0xF0
+    if QH >= 0:
+        lo = lo | (((_word(blk + QH, tl.int16) >> j) & 1) << 4)
+        hi = hi | (((_word(blk + QH + 2, tl.int16) >> j) & 1) << 8)
+    return _low(lo | magic, OFFSET), _high(hi | magic, OFFSET)
+
+
+@triton.jit
+def _q4_0(rows, sb, magic):
+    # 18 bytes: d f16 | qs[16]; q = code - 8.
+    blk = _blocks_of_32(rows, sb, 18)
+    q0, q1 = _split_planes(blk, magic, 2, -1, 8)
+    d = _f16(blk)
+    return q0, q1, d, d, 0.0, 0.0
+
+
+@triton.jit
+def _q4_1(rows, sb, magic):
+    # 20 bytes: d f16 | m f16 | qs[16]; values q * d + m, so the min term is -m.
+    blk = _blocks_of_32(rows, sb, 20)
+    q0, q1 = _split_planes(blk, magic, 4, -1, 0)
+    d = _f16(blk)
+    m = -_f16(blk + 2)
+    return q0, q1, d, d, m, m
+
+
+@triton.jit
+def _q5_0(rows, sb, magic):
+    # 22 bytes: d f16 | qh u32 (bit 4 of each value) | qs[16]; q = that - 16.
+    blk = _blocks_of_32(rows, sb, 22)
+    q0, q1 = _split_planes(blk, magic, 6, 2, 16)
+    d = _f16(blk)
+    return q0, q1, d, d, 0.0, 0.0
+
+
+@triton.jit
+def _q5_1(rows, sb, magic):
+    # 24 bytes: d f16 | m f16 | qh u32 | qs[16]; values q * d + m.
+    blk = _blocks_of_32(rows, sb, 24)
+    q0, q1 = _split_planes(blk, magic, 8, 4, 0)
+    d = _f16(blk)
+    m = -_f16(blk + 2)
+    return q0, q1, d, d, m, m
+
+
+@triton.jit
+def _iq4_nl(rows, sb, magic):
+    # 18 bytes: d f16 | qs[16], codes into IQ4_NL_VALUES.
+    blk = _blocks_of_32(rows, sb, 18)
+    qs = tl.load(blk + 2 + tl.arange(0, 16)[None, None, :]).to(tl.int32)  # [BN, 8, 16]
+    d = _f16(blk)
+    return _iq4_nl_value(qs & 0x0F, magic), _iq4_nl_value(qs >> 4, magic), d, d, 0.0, 0.0
 
 
 @triton.jit
@@ -279,17 +360,17 @@ def _iq4_xs(rows, sb, magic):
     lo = (tl.load(blk + 4 + s // 2).to(tl.int32) >> (4 * (s % 2))) & 15  # [BN, 8, 1]
     hi = (_word(blk + 2, tl.int16) >> (2 * s)) & 3
     dl = _f16(blk) * ((lo | (hi << 4)).to(tl.float32) - 32.0)
-    return _iq4_nl(qs & 0x0F, magic), _iq4_nl(qs >> 4, magic), dl, dl, 0.0, 0.0
+    return _iq4_nl_value(qs & 0x0F, magic), _iq4_nl_value(qs >> 4, magic), dl, dl, 0.0, 0.0
 
 
 @triton.jit
 def _mxfp4(rows, sb, magic):
-    # Run c: block 8sb + c (17 bytes: E8M0 e | qs[16]), codes into FP4_E2M1_X2_VALUES; the
-    # scale is e halved (`_e8m0_half`). Bytes only: blocks have no alignment.
-    blk = rows[:, None, None] + sb * 136 + 17 * tl.arange(0, 8)[None, :, None]  # [BN, 8, 1]
+    # 17 bytes: E8M0 e | qs[16], codes into FP4_E2M1_X2_VALUES; the scale is e halved
+    # (`_e8m0_half`). Bytes only: blocks have no alignment.
+    blk = _blocks_of_32(rows, sb, 17)
     qs = tl.load(blk + 1 + tl.arange(0, 16)[None, None, :]).to(tl.int32)  # [BN, 8, 16]
     d = _e8m0_half(tl.load(blk).to(tl.int32))
-    return _fp4(qs & 0x0F, magic), _fp4(qs >> 4, magic), d, d, 0.0, 0.0
+    return _fp4_value(qs & 0x0F, magic), _fp4_value(qs >> 4, magic), d, d, 0.0, 0.0
 
 
 @triton.jit
@@ -313,6 +394,16 @@ def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
         out = _q3_k(rows, sb, magic)
     elif QTYPE == IQ4_XS:
         out = _iq4_xs(rows, sb, magic)
+    elif QTYPE == Q4_0:
+        out = _q4_0(rows, sb, magic)
+    elif QTYPE == Q4_1:
+        out = _q4_1(rows, sb, magic)
+    elif QTYPE == Q5_0:
+        out = _q5_0(rows, sb, magic)
+    elif QTYPE == Q5_1:
+        out = _q5_1(rows, sb, magic)
+    elif QTYPE == IQ4_NL:
+        out = _iq4_nl(rows, sb, magic)
     else:
         tl.static_assert(QTYPE == MXFP4, "unsupported GGML type")
         out = _mxfp4(rows, sb, magic)
@@ -413,8 +504,8 @@ def num_sms(device: torch.device) -> int:
 #   the compiler to repeat in any layout), picked per sub-block by shifts and selects; a
 #   [BR, GS, NS, 1] load would fix a layout of its own and force a conversion of the tile.
 # Scale words are read as int32 (Q4_K, Q5_K, Q2_K: 4-byte aligned blocks), int16 (Q6_K, Q3_K,
-# Q8_0, IQ4_XS) or bytes (MXFP4); `dequantize_rows` takes this path only for data aligned to
-# them (`dequant_mm.WORD_ALIGN`).
+# IQ4_XS and the 32-value types but MXFP4) or bytes (MXFP4); `dequantize_rows` takes this path
+# only for data aligned to them (`dequant_mm.WORD_ALIGN`).
 
 
 @triton.jit
@@ -433,7 +524,7 @@ def _byte(word, b):
 
 @triton.jit
 def _block_word(blk, s, BYTES: tl.constexpr, OFF: tl.constexpr, TY: tl.constexpr):
-    """`_word` at byte OFF of block s ([NS, 1], 0..7) of the blocks of BYTES at `blk`
+    """`_word` at byte OFF of block s (int [NS, 1], 0..7) of the blocks of BYTES at `blk`
     ([BR, GS, 1, 1]) as int32 [BR, GS, NS, 1]: one load per block, picked by s."""
     w = _word(blk + OFF, TY) + tl.zeros_like(s)
     for i in tl.static_range(1, 8):
@@ -451,10 +542,10 @@ def _block_f16(blk, s, BYTES: tl.constexpr, OFF: tl.constexpr):
 
 
 @triton.jit
-def _split_nibble(qs, j):
-    """Code of value j (0..31) of the 32 split nibbles in the 16 bytes at `qs`: nibble j // 16
-    of byte j % 16, as int32."""
-    return (tl.load(qs + j % 16).to(tl.int32) >> (4 * (j // 16))) & 0x0F
+def _split_nibble(qs, g, jj):
+    """Codes [BR, GS, 16, 16] of the split-nibble types (`dequant_groups`): value 16g + jj is
+    nibble g % 2 of byte jj of the run of 16 bytes at `qs` ([BR, GS, 16, 1], one run per g)."""
+    return (tl.load(qs + jj).to(tl.int32) >> (4 * (g % 2))) & 0x0F
 
 
 @triton.jit
@@ -566,33 +657,95 @@ def _q8_0_groups(blk, magic):
     return q * _block_f16(blk, s, 34, 0)  # [BR, GS, 8, 1] scales
 
 
+# The split-nibble types take [16, 16] tiles: value 16g + jj is nibble g % 2 of byte jj of run
+# g // 2 of 16 quant bytes (block 8sb + g // 2 for the 32-value types), so the byte addresses
+# are runs of 8 and a block's fields are picked per g // 2.
+
+
 @triton.jit
 def _iq4_xs_groups(blk, magic):
-    # value 32s + j: `_split_nibble` j of qs[16s:16s+16] (byte 8); scale s as `_iq4_xs`, with
-    # scales_l read as two int16 (bytes 4-5 and 6-7).
-    s = tl.arange(0, 8)[:, None]
-    j = _runs_of_8(32)[None, :]
-    q = _iq4_nl(_split_nibble(blk + 8 + 16 * s, j), magic)  # [BR, GS, 8, 32]
-    lo = tl.where(s < 4, _word(blk + 4, tl.int16), _word(blk + 6, tl.int16))  # [BR, GS, 8, 1]
-    lo = (lo >> (4 * (s % 4))) & 15
-    hi = (_word(blk + 2, tl.int16) >> (2 * s)) & 3
+    # run g // 2 is qs[16s:16s+16] (byte 8), s = g // 2; scale s as `_iq4_xs`, with scales_l
+    # read as two int16 (bytes 4-5: s < 4, 6-7).
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    q = _iq4_nl_value(_split_nibble(blk + 8 + 16 * (g // 2), g, jj), magic)  # [BR, GS, 16, 16]
+    lo = tl.where(g < 8, _word(blk + 4, tl.int16), _word(blk + 6, tl.int16))  # [BR, GS, 16, 1]
+    lo = (lo >> (4 * (g // 2 % 4))) & 15
+    hi = (_word(blk + 2, tl.int16) >> (2 * (g // 2))) & 3
     return q * (_f16(blk) * ((lo | (hi << 4)).to(tl.float32) - 32.0))
 
 
 @triton.jit
+def _split_groups(blk, g, jj, magic, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
+                  OFFSET: tl.constexpr):  # fmt: skip
+    """Quants [BR, GS, 16, 16] of the blocks of BYTES at `blk` as `_split_planes`: split nibbles
+    at byte QS, bit 4 from the u32 at byte QH (its int16 half g % 2) where QH >= 0."""
+    s = g // 2
+    code = _split_nibble(blk + BYTES * s + QS, g, jj)
+    if QH >= 0:
+        lo = _block_word(blk, s, BYTES, QH, tl.int16)  # [BR, GS, 16, 1]
+        half = tl.where(g % 2 == 0, lo, _block_word(blk, s, BYTES, QH + 2, tl.int16))
+        code = code | (((half >> jj) & 1) << 4)
+    return _low(code | magic, OFFSET)
+
+
+@triton.jit
+def _q4_0_groups(blk, magic):
+    # 18 bytes: d f16 | qs[16]; q = code - 8.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    return _split_groups(blk, g, jj, magic, 18, 2, -1, 8) * _block_f16(blk, g // 2, 18, 0)
+
+
+@triton.jit
+def _q4_1_groups(blk, magic):
+    # 20 bytes: d f16 | m f16 | qs[16]; q * d + m.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    q = _split_groups(blk, g, jj, magic, 20, 4, -1, 0)
+    return q * _block_f16(blk, g // 2, 20, 0) + _block_f16(blk, g // 2, 20, 2)
+
+
+@triton.jit
+def _q5_0_groups(blk, magic):
+    # 22 bytes: d f16 | qh u32 | qs[16]; q = that - 16.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    return _split_groups(blk, g, jj, magic, 22, 6, 2, 16) * _block_f16(blk, g // 2, 22, 0)
+
+
+@triton.jit
+def _q5_1_groups(blk, magic):
+    # 24 bytes: d f16 | m f16 | qh u32 | qs[16]; q * d + m.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    q = _split_groups(blk, g, jj, magic, 24, 8, 4, 0)
+    return q * _block_f16(blk, g // 2, 24, 0) + _block_f16(blk, g // 2, 24, 2)
+
+
+@triton.jit
+def _iq4_nl_groups(blk, magic):
+    # 18 bytes: d f16 | qs[16], codes into IQ4_NL_VALUES.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    q = _iq4_nl_value(_split_nibble(blk + 18 * (g // 2) + 2, g, jj), magic)  # [BR, GS, 16, 16]
+    return q * _block_f16(blk, g // 2, 18, 0)
+
+
+@triton.jit
 def _mxfp4_groups(blk, magic):
-    # value 32s + j: `_split_nibble` j of block 8sb + s (17 bytes: E8M0 e | qs[16]); bytes only.
-    s = tl.arange(0, 8)[:, None]
-    j = _runs_of_8(32)[None, :]
-    q = _fp4(_split_nibble(blk + 17 * s + 1, j), magic)  # [BR, GS, 8, 32]
-    return q * _e8m0_half(_block_word(blk, s, 17, 0, tl.uint8))
+    # 17 bytes: E8M0 e | qs[16], codes into FP4_E2M1_X2_VALUES; bytes only.
+    g = tl.arange(0, 16)[:, None]
+    jj = _runs_of_8(16)[None, :]
+    q = _fp4_value(_split_nibble(blk + 17 * (g // 2) + 1, g, jj), magic)  # [BR, GS, 16, 16]
+    return q * _e8m0_half(_block_word(blk, g // 2, 17, 0, tl.uint8))
 
 
 @triton.jit
 def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
     """Values of groups `sb` ([GS] int) of rows `rows` ([BR] uint8 pointers, 16-byte aligned
-    rows) as float32 [BR, GS, NS, SUB] in k order (`group_k_offsets`): [16, 16] for Q2_K, Q3_K,
-    Q6_K and [8, 32] for the others. The same bits as `dequant_superblock`."""
+    rows) as float32 [BR, GS, NS, SUB] in k order (`group_k_offsets`): [8, 32] for Q4_K, Q5_K,
+    Q8_0 and [16, 16] for the others. The same bits as `dequant_superblock`."""
     if QTYPE == Q4_K:
         out = _q4_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 144, magic)
     elif QTYPE == Q5_K:
@@ -607,6 +760,16 @@ def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
         out = _q3_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 110, magic)
     elif QTYPE == IQ4_XS:
         out = _iq4_xs_groups(rows[:, None, None, None] + sb[None, :, None, None] * 136, magic)
+    elif QTYPE == Q4_0:
+        out = _q4_0_groups(rows[:, None, None, None] + sb[None, :, None, None] * 144, magic)
+    elif QTYPE == Q4_1:
+        out = _q4_1_groups(rows[:, None, None, None] + sb[None, :, None, None] * 160, magic)
+    elif QTYPE == Q5_0:
+        out = _q5_0_groups(rows[:, None, None, None] + sb[None, :, None, None] * 176, magic)
+    elif QTYPE == Q5_1:
+        out = _q5_1_groups(rows[:, None, None, None] + sb[None, :, None, None] * 192, magic)
+    elif QTYPE == IQ4_NL:
+        out = _iq4_nl_groups(rows[:, None, None, None] + sb[None, :, None, None] * 144, magic)
     else:
         tl.static_assert(QTYPE == MXFP4, "unsupported GGML type")
         out = _mxfp4_groups(rows[:, None, None, None] + sb[None, :, None, None] * 136, magic)
@@ -616,8 +779,8 @@ def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
 @triton.jit
 def group_k_offsets(QTYPE: tl.constexpr):
     """k offsets [NS, SUB] (within the 256-value group) of `dequant_groups`' last two dims."""
-    if QTYPE == Q2_K or QTYPE == Q3_K or QTYPE == Q6_K:  # noqa: SIM109
-        offs = 16 * tl.arange(0, 16)[:, None] + tl.arange(0, 16)[None, :]
-    else:
+    if QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == Q8_0:  # noqa: SIM109
         offs = 32 * tl.arange(0, 8)[:, None] + tl.arange(0, 32)[None, :]
+    else:
+        offs = 16 * tl.arange(0, 16)[:, None] + tl.arange(0, 16)[None, :]
     return offs

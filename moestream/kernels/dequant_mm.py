@@ -46,6 +46,7 @@ from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import (
     GROUP,
+    GROUP_BYTES,
     MAGIC,
     check_activation,
     check_weight,
@@ -83,13 +84,15 @@ class DequantShape:
 # MoE gate/up 147.7 us (3.5 TB/s read + written, 83% of copy; the old kernel 177.6), dense
 # [4096, 2048] 9.5 us (36.5); Q6_K head 276.9 us (293.9); Q6_K MoE down (K = 768) fastest in
 # the old per-plane order, 295 us (46% of copy). The other types were not swept: the guess
-# (64 values per thread, 32-63 registers in the sm_90 build, no spills, no shared memory).
+# (64 values per thread; in the sm_90 build, `bench/dequant_sweep.py`'s `build_sm90`, 32-63
+# registers for Q5_K, Q8_0, Q2_K, Q3_K and 40-93 for IQ4_XS and the 32-value types, Q5_0/Q5_1
+# the most; no spills, no shared memory).
 # Groups need not divide a row's (K = 768 has 3): the last block is masked.
 T = GGMLQuantizationType
 DEQUANT_SHAPES: dict[tuple[GGMLQuantizationType, int | None], DequantShape] = {
     **{
         (qtype, None): DequantShape(block_r=16, groups=2, warps=4, stream=True)
-        for qtype in (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
+        for qtype in GROUP_BYTES.keys() - {T.Q4_K, T.Q6_K}
     },
     (T.Q4_K, None): DequantShape(block_r=16, groups=2, warps=4),
     (T.Q6_K, None): DequantShape(block_r=16, groups=2, warps=4, stream=True),

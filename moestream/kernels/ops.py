@@ -5,9 +5,9 @@ Triton is imported lazily, only on the kernel path: this module imports and work
 references) on machines without triton or without CUDA.
 
 Kernel path: a CUDA activation of float32/bfloat16/float16, triton installed, and weights of a
-type in KERNEL_QTYPES (Q2_K..Q6_K, Q8_0, IQ4_XS, MXFP4) whose rows (K) are a multiple of 256
-values. Float weights (F32, F16, BF16) and other block types take the reference, which for float
-weights is a plain cuBLAS matmul.
+type in KERNEL_QTYPES (Q2_K..Q6_K, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, MXFP4) whose
+rows (K) are a multiple of 256 values. Float weights (F32, F16, BF16) and other block types take
+the reference, which for float weights is a plain cuBLAS matmul.
 
 Batch-invariant mode (`batch_invariant()`, the engine's `--deterministic` on a GPU): every row's
 result is computed by the same kernels in the same shapes whatever else is in the batch, so
@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 _Q = GGMLQuantizationType
 KERNEL_QTYPES = frozenset(
-    {_Q.Q8_0, _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_XS, _Q.MXFP4}
+    {_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.IQ4_NL, _Q.MXFP4}  # 32-value blocks
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.IQ4_XS}  # 256-value super-blocks
 )
 KERNEL_GROUP = 256  # the kernels walk rows in runs of 256 values
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -5,10 +5,10 @@ Each program computes a [BLOCK_M, BLOCK_N] tile. Per 256-value group it dequanti
 activation dtype (bfloat16 on the GPU path) and feeds it with the matching [BLOCK_M, 256]
 activation tile (loaded in the plane's k order) to `tl.dot`, accumulating in float32. Programs
 along axis 0 share a weight tile, so consecutive programs read it from L2. It serves the types
-without the integer kernels (Q2_K, Q3_K) from 2 to 31 rows, with 16-row tiles, a split of K
-over programs to fill the GPU, and float32 partials summed afterwards in a fixed order (from
-32 rows `dequant_mm` is faster: bench/RESULTS.md), and the GPUs or dtypes without torch's
-grouped GEMM for the MoE.
+without the integer kernels (Q2_K, Q3_K, IQ4_XS and the 32-value types but Q8_0) from 2 to 31
+rows, with 16-row tiles, a split of K over programs to fill the GPU, and float32 partials summed
+afterwards in a fixed order (from 32 rows `dequant_mm` is faster: bench/RESULTS.md), and the
+GPUs or dtypes without torch's grouped GEMM for the MoE.
 
 Letters: M activation rows, N output features, K input features (a multiple of 256).
 """

@@ -36,6 +36,7 @@ from tests.kernels.test_quant_matmul import random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
+TYPES += (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
 
 
 def random_raw(qtype: GGMLQuantizationType, shape: tuple[int, ...], seed: int) -> np.ndarray:

@@ -122,19 +122,25 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
 
 
 @pytest.mark.parametrize("method", ["gemv", "gemm"])
-def test_fused_moe_lookup_types_take_the_float_paths(method):
-    """IQ4_XS gate and down, MXFP4 up (random blocks: every code and scale): the float paths,
-    which `default_method` picks for types without integer-dot kernels."""
+@pytest.mark.parametrize(
+    "qtypes",
+    [(T.IQ4_XS, T.MXFP4, T.IQ4_XS), (T.Q4_0, T.Q5_0, T.IQ4_NL), (T.Q4_1, T.Q5_1, T.Q4_0)],
+    ids=lambda q: "-".join(t.name for t in q),
+)
+def test_fused_moe_other_types_take_the_float_paths(qtypes, method):
+    """Gate, up and down of types without integer-dot kernels (random blocks: every code and
+    scale) through the float paths, which `default_method` picks for them."""
     from tests.kernels.test_quant_matmul import random_blocks
 
     def stack(qtype, f, h, seed):
         w = random_blocks(qtype, 2 * f, h, seed)
         return QTensor(w.data.view(2, f, -1), qtype, (2, f, h))
 
-    gate, up, down = stack(T.IQ4_XS, FF, H, 1), stack(T.MXFP4, FF, H, 2), stack(T.IQ4_XS, H, FF, 3)
+    gate, up = stack(qtypes[0], FF, H, 1), stack(qtypes[1], FF, H, 2)
+    down = stack(qtypes[2], H, FF, 3)
     assert default_method(4, gate, up, down) == "gemv"
     g = torch.Generator().manual_seed(9)
-    x = (torch.randn(2, H, generator=g) * 1e-3).to(DEVICE)  # random blocks hold values to ~4e3
+    x = (torch.randn(2, H, generator=g) * 1e-3).to(DEVICE)  # random blocks: values to ~5e4
     ids = torch.tensor([[0, 1], [1, 0]], device=DEVICE)
     weights = torch.softmax(torch.randn(2, 2, generator=g), -1).to(DEVICE)
     slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)

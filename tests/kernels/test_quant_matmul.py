@@ -33,9 +33,11 @@ from moestream.kernels.quant_gemv import GemvConfig, gemv_config, quant_gemv  # 
 
 T = GGMLQuantizationType
 KERNEL_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4)
+KERNEL_TYPES += (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL)
 # Byte offsets of each block's float16 scales (given finite values; all other bytes random).
 F16_FIELDS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q2_K: (80, 82)}
-F16_FIELDS.update({T.Q3_K: (108,), T.IQ4_XS: (0,), T.MXFP4: ()})
+F16_FIELDS.update({T.Q3_K: (108,), T.IQ4_XS: (0,), T.MXFP4: (), T.IQ4_NL: (0,)})
+F16_FIELDS.update({T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2)})
 # Byte offsets of E8M0 exponents, kept to 110..140 (scales 2^-18 .. 2^12).
 E8M0_FIELDS = {T.MXFP4: (0,)}
 
@@ -171,9 +173,9 @@ def test_launchers_reject_bad_arguments():
         quant_gemm(torch.zeros(256, 2, device=DEVICE).t(), w)
     with pytest.raises(ValueError, match="dtype"):
         quant_gemm(x.double(), w)
-    with pytest.raises(ValueError, match="no kernel for Q4_0"):
-        q4_0 = QTensor(torch.zeros(1, 18, dtype=torch.uint8), T.Q4_0, (1, 32))
-        quant_gemv(torch.zeros(1, 32), q4_0)
+    with pytest.raises(ValueError, match="no kernel for NVFP4"):
+        nvfp4 = QTensor(torch.zeros(1, 36, dtype=torch.uint8), T.NVFP4, (1, 64))
+        quant_gemv(torch.zeros(1, 64), nvfp4)
     with pytest.raises(ValueError, match="out must be"):
         quant_gemv(x, w, out=torch.empty(2, 16, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="does not divide"):
