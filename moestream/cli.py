@@ -156,6 +156,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--host-expert-cache-gib) that the GPU kernels read directly; no host sync per layer, "
         "CUDA graphs stay on",
     )
+    e.add_argument(
+        "--expert-rebalance-steps",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --expert-zero-copy: every N steps, swap the host-placed experts the routing "
+        "used most with the device-placed ones it used least (0: keep the placement of load "
+        "time)",
+    )
 
 
 def _budget_args(g) -> None:
@@ -304,6 +313,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "enforce_eager": args.enforce_eager,
         "deterministic": args.deterministic,
         "expert_zero_copy": args.expert_zero_copy,
+        "expert_rebalance_steps": args.expert_rebalance_steps,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,8 @@ class Engine:
         self._captured = 0  # the runner's graph captures as of the last speculating step
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
+        self.num_steps = 0
+        self._periodic: list[tuple[int, Callable[[], object]]] = []  # (every, fn): `every`
 
     def _num_blocks(self, cache: CacheConfig, kv_dtype: torch.dtype, draft_bytes: int = 0) -> int:
         """Blocks of the pool: `draft_bytes` per block go to the draft model's own pool."""
@@ -306,9 +308,24 @@ class Engine:
         speculator.draft(requests, self._base_tokens, queued=self.runner.has_queued_step)
 
     # ---- the step ----------------------------------------------------------------------
+    def every(self, steps: int, fn: Callable[[], object]) -> None:
+        """Call `fn` after every `steps`-th step, between steps (upkeep such as
+        `ZeroCopyExperts.rebalance`)."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        self._periodic.append((steps, fn))
+
     def step(self) -> list[EngineOutput]:
         """Plan, run, commit (then propose the next step's drafts): one forward pass. Outputs
         for requests that got tokens."""
+        outputs = self._step()
+        self.num_steps += 1
+        for steps, fn in self._periodic:
+            if self.num_steps % steps == 0:
+                fn()
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.preempted_ids and self.scheduler.has_unfinished():

@@ -123,7 +123,9 @@ class LLM:
     what runs beside it), at a cost in prefill speed. `expert_zero_copy` (with
     `gpu_expert_cache_gib`) places experts once instead of streaming them: those that fit the
     device budget on the device, the rest in pinned host memory the GPU reads in place
-    (`experts.zero_copy`). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
+    (`experts.zero_copy`), and every `expert_rebalance_steps` engine steps promotes the experts
+    the routing uses most to the device (`ZeroCopyExperts.rebalance`; 0: placement fixed at
+    load). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
     weights on a GPU (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip
     dequantizing them: memory for prefill speed; decode and results are unchanged. On the CPU
     it keeps copies in the model's dtype for every matmul (None, the default: up to
@@ -152,6 +154,7 @@ class LLM:
         enforce_eager: bool = False,
         deterministic: bool = False,
         expert_zero_copy: bool = False,
+        expert_rebalance_steps: int = 256,
         weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
@@ -176,6 +179,8 @@ class LLM:
         self.zero_copy: list[ZeroCopyExperts] = []
         if expert_zero_copy and not budgets.streaming:
             raise RequestError("expert_zero_copy needs gpu_expert_cache_gib")
+        if expert_rebalance_steps < 0:
+            raise RequestError(f"expert_rebalance_steps must be >= 0, got {expert_rebalance_steps}")
         if expert_zero_copy:
             # Fixed placement: device slots and pinned host memory, read in place (no streaming).
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
@@ -206,10 +211,16 @@ class LLM:
             spec=spec,
             vocab_tokens=self.source.metadata.get("tokenizer.ggml.tokens"),
         )
+        if self.zero_copy and expert_rebalance_steps:
+            self.engine.every(expert_rebalance_steps, self.rebalance_experts)
         if enforce_eager:  # no CUDA graphs for decode or verify steps (runner/cuda_graph.py)
             self.engine.runner.graphs = None
         # Batch-invariant GPU kernels (kernels/ops.py); the CPU reference is invariant already.
         self.model.batch_invariant = deterministic
+
+    def rebalance_experts(self) -> int:
+        """Promote hot experts to the device in every zero-copy layer now; the swaps made."""
+        return sum(p.rebalance() for p in self.zero_copy)
 
     # ---- generation --------------------------------------------------------------------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

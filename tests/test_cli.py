@@ -85,3 +85,15 @@ def test_generate_streams_from_the_demo_model() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("def add(a, b):") and len(proc.stdout) > len("def add(a, b):")
     assert "tok/s" in proc.stderr
+
+
+def test_expert_flags_reach_the_llm_on_every_command() -> None:
+    from moestream.cli import llm_kwargs_from_args
+
+    for command in (["generate", "-p", "x"], ["serve"], ["bench"]):
+        args = build_parser().parse_args(
+            [*command, "--expert-zero-copy", "--expert-rebalance-steps", "32"]
+        )
+        kwargs = llm_kwargs_from_args(args)
+        assert kwargs["expert_zero_copy"] is True, command
+        assert kwargs["expert_rebalance_steps"] == 32, command

@@ -52,7 +52,8 @@
 #                                        each round's verify/exploration steps per proposer
 #   bench/scripts/gpu_figures.sh dgraph  tiny-pair speculation on copy prompts with the draft
 #                                        model's decode graphs on
-#   bench/scripts/gpu_figures.sh link    host-link bandwidth (DMA, zero-copy kernel); 30B-A3B
+#   bench/scripts/gpu_figures.sh link    zero-copy promotion's GPU test; host-link bandwidth
+#                                        (DMA, zero-copy kernel); 30B-A3B
 #                                        zero-copy experts at 8 GiB with the weight pointers'
 #                                        alignment hint put on the address (before 7f951f1) and
 #                                        on the pointer, interleaved
@@ -385,6 +386,8 @@ runpy.run_path("bench/spec_figures.py", run_name="__main__")
 PY
     ;;
   link)
+    timeout 120 python3 -m pytest tests/experts/test_zero_copy.py -q -p no:cacheprovider -m gpu \
+      2>&1 | tail -3
     timeout 120 python3 bench/host_link.py --json "$out/host_link.json" 2>&1 | tail -14
     synth qwen3-30b-a3b q30
     # the hint on the address integer, as before 7f951f1 (the cast dropped it)

@@ -1,8 +1,8 @@
 """The `experts` section of `moestream bench`: the expert store's counters over the whole run
 (hits and misses per tier, bytes moved per tier, prefetch accuracy, stall time), present only
 when experts are streamed (`--gpu-expert-cache-gib`); with `--expert-zero-copy`, the reads
-per tier and the bytes that crossed the host link. It runs after the timed sections, so its
-figures describe exactly the traffic those measurements paid for."""
+per tier, the bytes that crossed the host link and the promotions (swaps). It runs after the
+timed sections, so its figures describe exactly the traffic those measurements paid for."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class ExpertsSection:
     def run(self, ctx: BenchContext) -> dict[str, Any] | None:
         store = getattr(ctx.llm, "expert_store", None)
         zero_copy = getattr(ctx.llm, "zero_copy", None)
-        if zero_copy:  # fixed placement: reads per tier instead of a store's traffic
+        if zero_copy:  # experts read in place: reads per tier instead of a store's traffic
             from moestream.experts.zero_copy import zero_copy_snapshot
 
             budgets = {"device": sum(p.nbytes["device"] for p in zero_copy)}

@@ -10,13 +10,22 @@ a device address for the experts placed on the device and a host address for the
 kernel load from it crosses the host link). A step makes no host synchronisation and replays
 as a CUDA graph; the price of a host-placed expert is its bytes over the host link on every use.
 
-Placement is fixed at build: the first `n_device` experts of every layer by id (no promotion
-yet: with random weights routing is near-uniform, where any fixed choice is as good; for real
-models a frequency-based choice from a warm-up is the next step). Off CUDA (tests), both tiers
-are ordinary memory and the layer takes the per-expert reference path through `weights(e)`.
+Placement starts with the first `n_device` experts of every layer by id and then follows the
+routing: `rebalance()` (the engine calls it every `expert_rebalance_steps` steps) reads the
+per-expert read counts of the steps since the last call (one device sync), keeps a decaying
+count per expert (`heat`), and swaps the hottest host-placed experts with the coldest
+device-placed ones while the host one is clearly hotter (`HYSTERESIS`). A swap copies both
+experts through a device temporary and rewrites their two address-table entries, all on the
+current stream, so steps queued before it read the old placement and steps after it the new
+(both are the same bytes: results never depend on placement); a CUDA graph reads the table
+at every replay. Real models route unevenly, which this exploits; random weights route almost
+uniformly, where no placement does better than any other and the hysteresis keeps swaps rare.
+Off CUDA (tests), both tiers are ordinary memory and the layer takes the per-expert reference
+path through `weights(e)`.
 
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
-`read_counts()`.
+`read_counts()` (reads between two rebalances count for the tier the expert was in); swaps
+and the bytes they copied.
 
 Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
 """
@@ -29,6 +38,14 @@ import torch
 
 from moestream.errors import CapacityError, UnsupportedError
 from moestream.weights.qtensor import QTensor
+
+# A host-placed expert replaces a device-placed one only when its heat exceeds the other's by
+# this factor (and by one read): near-uniform routing then causes few swaps.
+HYSTERESIS = 1.25
+# The weight of a rebalance's earlier heat against the reads since (a window of
+# `expert_rebalance_steps` steps): routing reuse is cyclic over a few hundred tokens, so a
+# few windows of memory.
+HEAT_DECAY = 0.5
 
 
 class ZeroCopyExperts:
@@ -58,6 +75,9 @@ class ZeroCopyExperts:
             host.copy_(w.data[n_device:])
             self._dev.append(QTensor(dev, w.qtype, (n_device, *w.shape[1:])))
             self._host.append(QTensor(host, w.qtype, (e - n_device, *w.shape[1:])))
+        # Where each expert is: device slot i (`_on_device[e]`) or host slot i, i = `_slot[e]`.
+        self._on_device = [i < n_device for i in range(e)]
+        self._slot = [i if i < n_device else i - n_device for i in range(e)]
         addr = [
             [self._slot_data(k, i).data_ptr() for i in range(e)] for k in range(3)
         ]  # [3, E] byte addresses
@@ -65,23 +85,67 @@ class ZeroCopyExperts:
             raise UnsupportedError("expert byte sizes are not multiples of 16: no zero-copy")
         self.expert_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
         self._reads = torch.zeros(e, dtype=torch.int64, device=self.device)  # [E] per expert
+        self._seen = [0] * e  # `_reads` at the last rebalance
+        self._tier_reads = {"device": 0, "host": 0}  # reads up to the last rebalance, by tier
+        self.heat = [0.0] * e
+        self.swaps = 0
         # Types, shapes and row strides for the kernel (a slot of each stack: S = 1).
         self.templates = tuple(
             QTensor(self._slot_data(k, 0).unsqueeze(0), w.qtype, (1, *w.shape[1:]))
             for k, w in enumerate((gate, up, down))
         )
-        self._views = [
-            tuple(
-                QTensor(self._slot_data(k, i), w.qtype, tuple(w.shape[1:]))
-                for k, w in enumerate((gate, up, down))
-            )
-            for i in range(e)
-        ]
+        self._views = [self._view(i) for i in range(e)]
 
     def _slot_data(self, kind: int, e: int) -> torch.Tensor:
-        if e < self.n_device:
-            return self._dev[kind].data[e]
-        return self._host[kind].data[e - self.n_device]
+        tier = self._dev if self._on_device[e] else self._host
+        return tier[kind].data[self._slot[e]]
+
+    def _view(self, e: int) -> tuple[QTensor, ...]:
+        return tuple(
+            QTensor(self._slot_data(k, e), t.qtype, t.shape[1:]) for k, t in enumerate(self._dev)
+        )
+
+    # ---- promotion -------------------------------------------------------------------------
+    def rebalance(self) -> int:
+        """Fold the reads since the last call into the per-tier counts and each expert's heat,
+        then swap hot host-placed experts with cold device-placed ones (module docstring).
+        Returns the number of swaps. One device sync."""
+        reads = self._reads.tolist()
+        for e, (now, seen) in enumerate(zip(reads, self._seen)):
+            self._tier_reads["device" if self._on_device[e] else "host"] += now - seen
+            self.heat[e] = HEAT_DECAY * self.heat[e] + (now - seen)
+        self._seen = reads
+        host = sorted((e for e in range(len(reads)) if not self._on_device[e]), key=self._hotter)
+        device = sorted((e for e in range(len(reads)) if self._on_device[e]), key=self._colder)
+        swaps = 0
+        for hot, cold in zip(host, device):
+            if self.heat[hot] < HYSTERESIS * self.heat[cold] + 1:
+                break
+            self._swap(cold, hot)
+            swaps += 1
+        self.swaps += swaps
+        return swaps
+
+    def _hotter(self, e: int) -> tuple[float, int]:
+        return (-self.heat[e], e)
+
+    def _colder(self, e: int) -> tuple[float, int]:
+        return (self.heat[e], e)
+
+    def _swap(self, out: int, into: int) -> None:
+        """Device-placed `out` and host-placed `into` trade places: bytes and table entries."""
+        d, h = self._slot[out], self._slot[into]
+        for k in range(3):
+            dev, host = self._dev[k].data[d], self._host[k].data[h]
+            leaving = dev.clone()
+            dev.copy_(host, non_blocking=True)
+            host.copy_(leaving, non_blocking=True)
+        self._on_device[out], self._on_device[into] = False, True
+        self._slot[out], self._slot[into] = h, d
+        for e in (out, into):
+            for k in range(3):
+                self.expert_addr[k, e] = self._slot_data(k, e).data_ptr()
+            self._views[e] = self._view(e)
 
     # ---- ExpertProvider ----------------------------------------------------------------------
     @property
@@ -106,8 +170,10 @@ class ZeroCopyExperts:
 
     def read_counts(self) -> dict[str, int]:
         """Expert reads so far: {"device": n, "host": n} (one device sync)."""
-        reads = self._reads.tolist()
-        return {"device": sum(reads[: self.n_device]), "host": sum(reads[self.n_device :])}
+        counts = dict(self._tier_reads)
+        for e, (now, seen) in enumerate(zip(self._reads.tolist(), self._seen)):
+            counts["device" if self._on_device[e] else "host"] += now - seen
+        return counts
 
     @property
     def expert_bytes(self) -> int:
@@ -123,20 +189,25 @@ class ZeroCopyExperts:
 
 
 def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float | int]:
-    """Reads per tier over all layers so far, the share served from the device, and the bytes
-    that crossed the host link (one device sync per layer)."""
-    device = host = host_bytes = 0
+    """Reads per tier over all layers so far, the share served from the device, the bytes
+    that crossed the host link for reads, and the swaps of `rebalance` with the bytes they
+    copied (both experts of a swap cross the link; one device sync per layer)."""
+    device = host = host_bytes = swaps = swap_bytes = 0
     for p in providers:
         c = p.read_counts()
         device += c["device"]
         host += c["host"]
         host_bytes += c["host"] * p.expert_bytes
+        swaps += p.swaps
+        swap_bytes += 2 * p.swaps * p.expert_bytes
     total = device + host
     return {
         "device_reads": device,
         "host_reads": host,
         "device_read_share": device / total if total else 0.0,
         "host_link_bytes": host_bytes,
+        "swaps": swaps,
+        "swap_bytes": swap_bytes,
     }
 
 
@@ -149,6 +220,8 @@ def zero_copy_metric_families(
         "device_reads": "Expert reads served from device memory (zero-copy placement)",
         "host_reads": "Expert reads served from pinned host memory over the host link",
         "host_link_bytes": "Expert bytes read over the host link",
+        "swaps": "Host-placed experts promoted to the device (a colder one demoted each)",
+        "swap_bytes": "Expert bytes copied between the tiers by promotions",
     }
     for name, doc in docs.items():
         yield f"moestream_expert_zero_copy_{name}", doc, "counter", float(snapshot[name])

@@ -1,15 +1,19 @@
 """Zero-copy expert placement (`experts.zero_copy`) on the CPU: the same tokens and logprobs as
-the resident model at any split between the tiers, counters that add up, budgets enforced."""
+the resident model at any split between the tiers and after promotions, counters that add up,
+budgets enforced; promotion moves the trained model's reads to the device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from moestream.cli import DEMO_MODEL
 from moestream.errors import CapacityError, RequestError
+from moestream.experts.zero_copy import zero_copy_snapshot
 from moestream.llm import LLM
 from moestream.types import SamplingParams
+from moestream.weights.qtensor import QTensor
 
 PROMPTS = ["def fibonacci(n):", "The history of the city"]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -20,13 +24,13 @@ def resident() -> LLM:
     if not DEMO_MODEL.is_file():
         pytest.skip("demo model is not in this checkout")
     torch.set_num_threads(1)
-    return LLM(DEMO_MODEL, device="cpu", max_model_len=128)
+    return LLM(DEMO_MODEL, device="cpu", max_model_len=256)
 
 
-def zero_copy(gpu_gib: float, host_gib: float = 1.0) -> LLM:
+def zero_copy(gpu_gib: float, host_gib: float = 1.0, rebalance: int = 256) -> LLM:
     return LLM(
-        DEMO_MODEL, device="cpu", max_model_len=128, gpu_expert_cache_gib=gpu_gib,
-        host_expert_cache_gib=host_gib, expert_zero_copy=True,
+        DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=gpu_gib,
+        host_expert_cache_gib=host_gib, expert_zero_copy=True, expert_rebalance_steps=rebalance,
     )  # fmt: skip
 
 
@@ -62,6 +66,8 @@ def test_budgets_are_enforced() -> None:
         zero_copy(1e-9, host_gib=1e-6)
     with pytest.raises(RequestError, match="gpu_expert_cache_gib"):
         LLM(DEMO_MODEL, device="cpu", expert_zero_copy=True)
+    with pytest.raises(RequestError, match="expert_rebalance_steps"):
+        zero_copy(1e-9, rebalance=-1)
 
 
 def test_bench_experts_section_reports_zero_copy_reads() -> None:
@@ -84,5 +90,115 @@ def test_bench_experts_section_reports_zero_copy_reads() -> None:
     link = sum(p.read_counts()["host"] * p.expert_bytes for p in llm.zero_copy)
     assert c["host_link_bytes"] == link > 0
     assert data["budgets"]["device"] == 0 and data["budgets"]["host"] > 0
+    assert c["swaps"] == c["swap_bytes"] == 0  # no device slot to promote into
     head, rows = ExpertsSection().table(data)
-    assert len(rows) == 4
+    assert len(rows) == 6
+
+
+def quarter_on_device(rebalance: int) -> LLM:
+    """Zero-copy with a quarter of each layer's experts on the device."""
+    probe = zero_copy(1e-9)
+    per_layer = probe.zero_copy[0].nbytes["host"]
+    return zero_copy(0.25 * per_layer * len(probe.zero_copy) / 2**30 + 1e-9, rebalance=rebalance)
+
+
+def check_placement(p) -> None:
+    """Every expert in exactly one slot of one tier, the device tier full, and the address
+    table and `weights(e)` pointing at that slot."""
+    places = {(p._on_device[e], p._slot[e]) for e in range(p.num_experts)}
+    assert len(places) == p.num_experts
+    assert sum(p._on_device) == p.n_device
+    for e in range(p.num_experts):
+        for k in range(3):
+            assert p.expert_addr[k, e].item() == p._slot_data(k, e).data_ptr()
+            assert p.weights(e)[k].data.data_ptr() == p._slot_data(k, e).data_ptr()
+
+
+def test_promotion_keeps_the_tokens_and_moves_reads_to_the_device(resident: LLM) -> None:
+    """A swap round every 4 steps: the same tokens and logprobs as the resident model while
+    experts move, and on the trained model's routing a clearly larger share of expert reads
+    served from the device than the placement of load time gives (measured after a first
+    batch of prompts: steady state)."""
+    text = (DEMO_MODEL.parent / "heldout-python.txt").read_text()
+    warm = [text[i : i + 300] for i in (0, 5000)]
+    test = [text[i : i + 300] for i in (26000, 31000)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+    shares = {}
+    for rebalance in (0, 4):
+        llm = quarter_on_device(rebalance)
+        llm.generate(warm, params)
+        before = zero_copy_snapshot(llm.zero_copy)
+        if rebalance:
+            assert run(llm) == run(resident)  # after swaps
+        out = llm.generate(test, params)
+        after = zero_copy_snapshot(llm.zero_copy)
+        device = after["device_reads"] - before["device_reads"]
+        shares[rebalance] = device / (device + after["host_reads"] - before["host_reads"])
+        for p in llm.zero_copy:
+            check_placement(p)
+        if rebalance:
+            assert after["swaps"] > 0
+            assert after["swap_bytes"] == sum(2 * p.swaps * p.expert_bytes for p in llm.zero_copy)
+            assert [o.token_ids for o in out] == [
+                o.token_ids for o in resident.generate(test, params)
+            ]
+    assert shares[4] > shares[0] + 0.15, shares
+
+
+def test_rebalance_swaps_by_heat_with_hysteresis() -> None:
+    """On made-up read counts: the hottest host-placed experts replace the coldest
+    device-placed ones, but not for a small difference; an expert's bytes move with it, and
+    reads count for the tier the expert was in when read."""
+    from moestream.experts import zero_copy as zc
+    from moestream.weights.quantize import quantize
+
+    e, f, h = 6, 32, 256
+    g = torch.Generator().manual_seed(0)
+    stacks = [
+        QTensor(
+            torch.from_numpy(quantize(torch.randn(shape, generator=g), GGMLQuantizationType.Q8_0)),
+            GGMLQuantizationType.Q8_0,
+            shape,
+        )
+        for shape in ((e, f, h), (e, f, h), (e, h, f))
+    ]
+    p = zc.ZeroCopyExperts(stacks, 2, "cpu")  # experts 0, 1 on the device
+    before = [tuple(w.data.clone() for w in p.weights(i)) for i in range(e)]
+    p._reads += torch.tensor([10, 1, 0, 2, 40, 11])  # 4 and 5 are hot, 0 is warm
+    assert p.read_counts() == {"device": 11, "host": 53}
+    assert p.rebalance() == 1  # 4 replaces 1; 5 (11) is not 1.25 x 10 + 1 hotter than 0
+    assert sorted(i for i in range(e) if p._on_device[i]) == [0, 4]
+    check_placement(p)
+    for i in range(e):
+        assert all(torch.equal(a, w.data) for a, w in zip(before[i], p.weights(i)))
+    p._reads += torch.tensor([0, 0, 0, 0, 5, 0])
+    assert p.read_counts() == {"device": 16, "host": 53}  # 4's new reads on the device
+    assert p.rebalance() == 0 and p.swaps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_promotion_on_the_gpu_keeps_the_tokens() -> None:
+    """On a GPU: swaps run on the stream between steps (CUDA graphs and run-ahead on) and the
+    greedy tokens equal the resident model's, which runs the same kernels on slot stacks."""
+    text = (DEMO_MODEL.parent / "heldout-python.txt").read_text()
+    prompts = [text[i : i + 300] for i in (0, 5000, 26000)]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    resident = LLM(DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5)
+    want = [o.token_ids for o in resident.generate(prompts, params)]
+    del resident
+    probe = LLM(
+        DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5,
+        gpu_expert_cache_gib=1e-9, host_expert_cache_gib=1.0, expert_zero_copy=True,
+    )  # fmt: skip
+    per_layer = probe.zero_copy[0].nbytes["host"] * len(probe.zero_copy)
+    del probe
+    llm = LLM(
+        DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5,
+        gpu_expert_cache_gib=0.25 * per_layer / 2**30 + 1e-9, host_expert_cache_gib=1.0,
+        expert_zero_copy=True, expert_rebalance_steps=4,
+    )  # fmt: skip
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert sum(p.swaps for p in llm.zero_copy) > 0
+    for p in llm.zero_copy:
+        check_placement(p)
