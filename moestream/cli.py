@@ -159,7 +159,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--expert-rebalance-steps",
         type=int,
-        default=256,
+        default=64,
         metavar="N",
         help="with --expert-zero-copy: every N steps, swap the host-placed experts the routing "
         "used most with the device-placed ones it used least (0: keep the placement of load "

@@ -26,7 +26,7 @@ from moestream.experts import (
     build_expert_store,
     defer_expert_tensors,
 )
-from moestream.experts.zero_copy import ZeroCopyExperts, attach_zero_copy
+from moestream.experts.zero_copy import ZeroCopyExperts, attach_zero_copy, rebalance_all
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
 from moestream.runner.model_runner import TokenLogprobs
@@ -154,7 +154,7 @@ class LLM:
         enforce_eager: bool = False,
         deterministic: bool = False,
         expert_zero_copy: bool = False,
-        expert_rebalance_steps: int = 256,
+        expert_rebalance_steps: int = 64,
         weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
@@ -220,7 +220,7 @@ class LLM:
 
     def rebalance_experts(self) -> int:
         """Promote hot experts to the device in every zero-copy layer now; the swaps made."""
-        return sum(p.rebalance() for p in self.zero_copy)
+        return rebalance_all(self.zero_copy)
 
     # ---- generation --------------------------------------------------------------------
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -11,17 +11,16 @@ kernel load from it crosses the host link). A step makes no host synchronisation
 as a CUDA graph; the price of a host-placed expert is its bytes over the host link on every use.
 
 Placement starts with the first `n_device` experts of every layer by id and then follows the
-routing: `rebalance()` (the engine calls it every `expert_rebalance_steps` steps) reads the
-per-expert read counts of the steps since the last call (one device sync), keeps a decaying
-count per expert (`heat`), and swaps the hottest host-placed experts with the coldest
-device-placed ones while the host one is clearly hotter (`HYSTERESIS`). A swap copies both
-experts through a device temporary and rewrites their two address-table entries, all on the
-current stream, so steps queued before it read the old placement and steps after it the new
-(both are the same bytes: results never depend on placement); a CUDA graph reads the table
-at every replay. Real models route unevenly, which this exploits; random weights route almost
-uniformly, where no placement does better than any other and the hysteresis keeps swaps rare.
-Off CUDA (tests), both tiers are ordinary memory and the layer takes the per-expert reference
-path through `weights(e)`.
+routing: `rebalance()` (the engine calls it every `expert_rebalance_steps` steps, all layers with
+one device sync) reads the per-expert read counts of the steps since the last call, keeps a
+decaying count per expert (`heat`), and swaps the hottest host-placed experts with the coldest
+device-placed ones while the host one is clearly hotter (`HYSTERESIS`). A swap copies both experts
+through a device temporary and rewrites their two address-table entries, all on the current stream,
+so steps queued before it read the old placement and steps after it the new (both are the same
+bytes: results never depend on placement); a CUDA graph reads the table at every replay. Real
+models route unevenly, which this exploits; random weights route almost uniformly, where no
+placement does better than any other and the hysteresis keeps swaps rare. Off CUDA (tests), both
+tiers are ordinary memory and the layer takes the per-expert reference path through `weights(e)`.
 
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
 `read_counts()` (reads between two rebalances count for the tier the expert was in); swaps
@@ -106,11 +105,12 @@ class ZeroCopyExperts:
         )
 
     # ---- promotion -------------------------------------------------------------------------
-    def rebalance(self) -> int:
+    def rebalance(self, reads: Sequence[int] | None = None) -> int:
         """Fold the reads since the last call into the per-tier counts and each expert's heat,
         then swap hot host-placed experts with cold device-placed ones (module docstring).
-        Returns the number of swaps. One device sync."""
-        reads = self._reads.tolist()
+        Returns the number of swaps. `reads`: the read counters' values, if the caller has read
+        them (`rebalance_all` reads every layer's in one sync); else one device sync."""
+        reads = self._reads.tolist() if reads is None else list(reads)
         for e, (now, seen) in enumerate(zip(reads, self._seen)):
             self._tier_reads["device" if self._on_device[e] else "host"] += now - seen
             self.heat[e] = HEAT_DECAY * self.heat[e] + (now - seen)
@@ -186,6 +186,14 @@ class ZeroCopyExperts:
             "device": sum(w.data.numel() for w in self._dev),
             "host": sum(w.data.numel() for w in self._host),
         }
+
+
+def rebalance_all(providers: Sequence[ZeroCopyExperts]) -> int:
+    """`rebalance` every layer, their read counters fetched in one device sync; the swaps."""
+    if not providers:
+        return 0
+    reads = torch.stack([p._reads for p in providers]).tolist()
+    return sum(p.rebalance(r) for p, r in zip(providers, reads, strict=True))
 
 
 def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float | int]:

@@ -27,7 +27,7 @@ def resident() -> LLM:
     return LLM(DEMO_MODEL, device="cpu", max_model_len=256)
 
 
-def zero_copy(gpu_gib: float, host_gib: float = 1.0, rebalance: int = 256) -> LLM:
+def zero_copy(gpu_gib: float, host_gib: float = 1.0, rebalance: int = 64) -> LLM:
     return LLM(
         DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=gpu_gib,
         host_expert_cache_gib=host_gib, expert_zero_copy=True, expert_rebalance_steps=rebalance,
