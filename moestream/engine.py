@@ -117,7 +117,7 @@ class Engine:
         self._text: dict[str, RequestText] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-        self._periodic: list[tuple[int, Callable[[], object]]] = []  # (every, fn): `every`
+        self._periodic: list[tuple[int, Callable[[], object]]] = []  # (steps, fn) of `every`
 
     def _num_blocks(self, cache: CacheConfig, kv_dtype: torch.dtype, draft_bytes: int = 0) -> int:
         """Blocks of the pool: `draft_bytes` per block go to the draft model's own pool."""

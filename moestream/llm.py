@@ -182,7 +182,8 @@ class LLM:
         if expert_rebalance_steps < 0:
             raise RequestError(f"expert_rebalance_steps must be >= 0, got {expert_rebalance_steps}")
         if expert_zero_copy:
-            # Fixed placement: device slots and pinned host memory, read in place (no streaming).
+            # Device slots and pinned host memory, read in place (no streaming); hot experts
+            # move to the device between steps (`rebalance_experts`).
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             self.zero_copy = attach_zero_copy(
                 self.model, float(gpu_expert_cache_gib), host_expert_cache_gib
