@@ -115,7 +115,9 @@ def quant_matmul_ref(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return x @ w.dequantize(x.dtype).t()
 
 
-def _kernel_weight(w: QTensor) -> bool:
+def kernel_weight(w: QTensor) -> bool:
+    """Whether matmuls with `w` take the Triton kernels (given triton and a CUDA activation of
+    KERNEL_DTYPES): a KERNEL_QTYPES weight on a CUDA device, rows a multiple of 256 values."""
     return (
         w.qtype in KERNEL_QTYPES
         and w.shape[-1] % KERNEL_GROUP == 0
@@ -129,7 +131,7 @@ def _use_kernels(x: torch.Tensor, *weights: QTensor) -> bool:
         HAS_TRITON
         and x.is_cuda
         and x.dtype in KERNEL_DTYPES
-        and all(_kernel_weight(w) and w.device == x.device for w in weights)
+        and all(kernel_weight(w) and w.device == x.device for w in weights)
     )
 
 

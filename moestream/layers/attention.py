@@ -17,7 +17,7 @@ import torch
 
 from moestream.config import ModelConfig
 from moestream.kernels.ops import batch_invariant_enabled
-from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, fuse_linears
+from moestream.layers.linear import Linear, fuse_linears, needs_host_table
 from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
 from moestream.layers.rope import RotaryEmbedding, apply_rope
 
@@ -370,9 +370,9 @@ class Attention:
 
     @property
     def capturable(self) -> bool:
-        """No weight of this layer needs a host copy to dequantize (see HOST_TABLE_QTYPES)."""
+        """No weight of this layer needs a host copy to dequantize (`needs_host_table`)."""
         weights = [p.weight for p, _ in self.projections] + [self.o_proj.weight]
-        return all(w.qtype not in HOST_TABLE_QTYPES for w in weights)
+        return not any(needs_host_table(w) for w in weights)
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, n, D], k [T, g, D], v [T, g, D] (views of merged outputs)."""

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
-from moestream.kernels.ops import quant_matmul
+from moestream.kernels.ops import HAS_TRITON, kernel_weight, quant_matmul
 from moestream.layers.norm import q8_of, vector_weight
 from moestream.weights.qtensor import QTensor
 
@@ -38,6 +38,13 @@ HOST_TABLE_QTYPES = frozenset(
         GGMLQuantizationType.NVFP4,
     }
 )
+
+
+def needs_host_table(w: QTensor) -> bool:
+    """Whether a matmul with `w` dequantizes through a value table built on the host, which a
+    CUDA graph cannot capture: a HOST_TABLE_QTYPES weight that the Triton kernels do not take
+    (they unpack IQ4_NL, IQ4_XS and MXFP4 in registers: `ops.kernel_weight`)."""
+    return w.qtype in HOST_TABLE_QTYPES and not (HAS_TRITON and kernel_weight(w))
 
 
 def rowwise_matmul(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:

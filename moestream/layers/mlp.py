@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels.ops import takes_q8
-from moestream.layers.linear import HOST_TABLE_QTYPES, linear
+from moestream.layers.linear import linear, needs_host_table
 from moestream.layers.norm import on_kernel_path, with_q8
 from moestream.weights.qtensor import QTensor
 
@@ -60,8 +60,8 @@ class GatedMLP:
 
     @property
     def capturable(self) -> bool:
-        """No host copy in the forward (see HOST_TABLE_QTYPES): a CUDA graph can capture it."""
-        return all(w.qtype not in HOST_TABLE_QTYPES for w in (self.gate, self.up, self.down))
+        """No host copy in the forward (`needs_host_table`): a CUDA graph can capture it."""
+        return not any(needs_host_table(w) for w in (self.gate, self.up, self.down))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None or not on_kernel_path(x) or x.dim() != 2:

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from moestream.kernels import ops
-from moestream.layers.linear import HOST_TABLE_QTYPES, linear
+from moestream.layers.linear import linear, needs_host_table
 from moestream.layers.mlp import gated_mlp
 from moestream.layers.norm import on_kernel_path, q8_of
 from moestream.weights.qtensor import QTensor
@@ -192,7 +192,7 @@ class SparseMoE:
         CUDA graph can capture it. Providers that stream experts are not capturable."""
         if not self.resident:
             return False
-        return self.router.qtype not in HOST_TABLE_QTYPES and all(
+        return not needs_host_table(self.router) and all(
             w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0
             for w in self.experts.stacked()  # type: ignore[attr-defined]
         )

@@ -30,7 +30,7 @@ from moestream.errors import ModelFormatError
 from moestream.kernels import ops
 from moestream.kernels.ops import HAS_TRITON, KERNEL_DTYPES, batch_invariant, embedding
 from moestream.layers.attention import Attention, AttentionMetadata
-from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, linear
+from moestream.layers.linear import HOST_TABLE_QTYPES, Linear, linear, needs_host_table
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.norm import RMSNorm, vector_weight
 from moestream.layers.rope import RotaryEmbedding
@@ -200,7 +200,7 @@ class CausalLM:
             and HAS_TRITON
             and self.dtype in KERNEL_DTYPES
             and self.embed_tokens.qtype not in HOST_TABLE_QTYPES
-            and self.lm_head.qtype not in HOST_TABLE_QTYPES
+            and not needs_host_table(self.lm_head)
             and all(layer.attn.capturable for layer in self.layers)
             and all(getattr(layer.ffn, "capturable", False) for layer in self.layers)
         )

@@ -448,3 +448,29 @@ def test_engine_verify_graphs_match_eager(tiny_gguf):
     assert got == _greedy(eager_llm, prompts, 40)
     assert graph_llm.engine.runner.graphs.captured_verify
     assert graph_llm.engine.spec_stats()["total"]["draft_tokens"] > 0
+
+
+def test_host_table_types_block_capture_only_off_the_kernels(monkeypatch):
+    """IQ4_NL, IQ4_XS and MXFP4 dequantize through a value table built on the host in torch,
+    which a CUDA graph cannot capture, but the Triton kernels unpack them in registers: a layer
+    with such weights is capturable exactly where the kernels take them."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
+
+    import moestream.layers.linear as linear_mod
+    from moestream.weights.qtensor import QTensor
+
+    def weight(qtype, k=256):
+        block, size = GGML_QUANT_SIZES[qtype]
+        return QTensor(torch.zeros(4, k // block * size, dtype=torch.uint8), qtype, (4, k))
+
+    for qtype in (Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4):
+        assert linear_mod.needs_host_table(weight(qtype))  # on the CPU: the torch reference
+    assert not linear_mod.needs_host_table(weight(Q.Q4_K))
+    from moestream.kernels import ops
+
+    # as for a weight on a CUDA device: the type decides
+    monkeypatch.setattr(linear_mod, "kernel_weight", lambda w: w.qtype in ops.KERNEL_QTYPES)
+    monkeypatch.setattr(linear_mod, "HAS_TRITON", True)
+    assert not linear_mod.needs_host_table(weight(Q.IQ4_XS))
+    assert linear_mod.needs_host_table(weight(Q.NVFP4, 64))  # no kernel unpacks NVFP4
