@@ -53,7 +53,16 @@ F16_FIELDS = {
     T.Q8_0: (0,),
     T.Q2_K: (80, 82),
     T.Q3_K: (108,),
+    T.Q4_0: (0,),
+    T.Q4_1: (0, 2),
+    T.Q5_0: (0,),
+    T.Q5_1: (0, 2),
+    T.IQ4_NL: (0,),
+    T.IQ4_XS: (0,),
+    T.MXFP4: (),
 }
+# Byte offsets of E8M0 exponents (MXFP4: 2^(e - 128) per 32 values, times codes up to 12).
+E8M0_FIELDS = {T.MXFP4: (0,)}
 E, TOPK, HIDDEN, FFN = 128, 8, 2048, 768  # Qwen3-30B-A3B MoE layer
 
 
@@ -66,6 +75,8 @@ def random_qtensor(qtype: GGMLQuantizationType, shape: tuple[int, ...], gen) -> 
     for off in F16_FIELDS[qtype]:
         mag = torch.rand(n_blocks, device="cuda", generator=gen) * scale + scale / 2
         data[:, off : off + 2] = mag.half().view(torch.uint8).view(n_blocks, 2)
+    for off in E8M0_FIELDS.get(qtype, ()):  # 2^-11 .. 2^-8
+        data[:, off] = torch.randint(117, 121, (n_blocks,), device="cuda", generator=gen).byte()
     row_bytes = shape[-1] // block * size
     return QTensor(data.view(*shape[:-1], row_bytes), qtype, shape)
 
@@ -251,7 +262,7 @@ def cases(only: set[str], quick: bool):
     decode = [(4096, 2048, T.Q4_K), (512, 2048, T.Q4_K), (2048, 4096, T.Q4_K)]
     decode += [(12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K), (151936, 2048, T.Q6_K)]
     prefill = [(4096, 2048, T.Q4_K), (12288, 4096, T.Q4_K), (4096, 12288, T.Q6_K)]
-    other_types = () if quick else (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K)
+    other_types = () if quick else (T.Q5_K, T.Q8_0, T.Q2_K, T.Q3_K, T.IQ4_XS, T.MXFP4, T.Q4_0)
     if "mmvq" in only:
         for n, k, qtype in decode[:2] if quick else decode:
             yield bench_matmul, ("mmvq", 1, n, k, qtype, bf16)

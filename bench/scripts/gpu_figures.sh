@@ -57,8 +57,8 @@
 #                                        zero-copy experts at 8 GiB with the weight pointers'
 #                                        alignment hint put on the address (before 7f951f1) and
 #                                        on the pointer, interleaved
-#   bench/scripts/gpu_figures.sh spec5   GPU tests of the draft model and the new quant types;
-#                                        the tiny pair's step phases with plain decode twice
+#   bench/scripts/gpu_figures.sh spec5   GPU tests of the draft model and the new quant types,
+#                                        their GEMV's GB/s; the tiny pair's step phases with plain decode twice
 #                                        (the noise floor) and the draft warmed up at load
 #   bench/scripts/gpu_figures.sh mmq     ncu of the MoE's batched-decode (mmq) kernels at 32
 #                                        tokens, 22% of copy bandwidth in the fourth session
@@ -414,6 +414,9 @@ PY
   spec5)
     timeout 150 python3 -m pytest tests/spec/test_draft.py tests/kernels/test_quant_matmul.py \
       -q -p no:cacheprovider -x 2>&1 | tail -3
+    # the float GEMV of every type at N=12288 K=4096 (IQ4_XS, MXFP4, Q4_0: new kernels)
+    timeout 120 python3 bench/kernels_gpu.py --only gemv 2>&1 | tee "$out/kernels_gemv.log" \
+      | grep -E "^\| gemv|copy bandwidth"
     for kind in prose copy; do
       timeout 150 python3 bench/spec_phases.py --kind $kind --rounds 6 \
         --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"
