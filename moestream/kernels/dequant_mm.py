@@ -50,11 +50,10 @@ from moestream.kernels._triton_dequant import (
     MAGIC,
     check_activation,
     check_weight,
-    dequant_groups,
     dequant_superblock,
-    group_k_offsets,
     plane_k_offsets,
 )
+from moestream.kernels._triton_dequant_groups import dequant_groups, group_k_offsets
 from moestream.kernels.ops import DEQUANT_SCRATCH_BYTES as SCRATCH_BYTES
 from moestream.kernels.swiglu import silu_mul
 from moestream.weights.qtensor import QTensor
