@@ -29,7 +29,7 @@ MIB = 1 << 20
 def copy_kernel(src_addr, dst_ptr, n_words, iters, BLOCK: tl.constexpr):
     """Words [pid * BLOCK + i * grid * BLOCK, ...) for i < iters: a grid-stride copy whose
     loads bypass L1 (`.cg`) and come straight from the source address (host memory)."""
-    src = tl.multiple_of(src_addr, 16).to(tl.pointer_type(tl.int32))  # 16-byte aligned: pinned
+    src = tl.multiple_of(src_addr.to(tl.pointer_type(tl.int32)), 16)  # pinned: 16-byte aligned
     offs = tl.arange(0, BLOCK)
     for i in range(iters):
         o = (tl.program_id(0) + i * tl.num_programs(0)).to(tl.int64) * BLOCK + offs
