@@ -246,7 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="write a GGUF of random valid blocks in a real model's shapes")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--like", required=True, help="model shape preset, e.g. qwen3-30b-a3b")
-    p.add_argument("--quant", default="Q4_K_M", help="quant mix")
+    p.add_argument(
+        "--quant",
+        default="Q4_K_M",
+        help="quant mix: Q4_K_M, Q4_K, Q6_K, Q2_K, Q8_0, Q4_0, F16 or BF16 (llama.cpp's rules "
+        "for which tensors get more bits)",
+    )
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     p.add_argument("--experts", type=int, default=None, help="experts per layer (MoE)")
     p.add_argument("--seed", type=int, default=0, help="random seed")

@@ -81,9 +81,9 @@ bench() {  # bench NAME SECONDS ARGS...: one bench run, its tables, its JSON in 
   [[ $rc == 0 ]] || tail -15 "/tmp/r/$name.log"  # where a run that timed out or failed stopped
   cp "/tmp/r/$name/result.json" "$out/$name.json" 2>/dev/null
 }
-synth() {
+synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
-synth_gguf('$1', 'Q4_K_M', '/tmp/$2.gguf', progress=False)"
+synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
 }
 # The runs the parts share (each part names what it runs).
 q30() {  # q30 [EXTRA ARGS...]: the 30B's prefill, decode at depths, concurrency
@@ -417,6 +417,16 @@ PY
     # the float GEMV of every type at N=12288 K=4096 (IQ4_XS, MXFP4, Q4_0: new kernels)
     timeout 120 python3 bench/kernels_gpu.py --only gemv 2>&1 | tee "$out/kernels_gemv.log" \
       | grep -E "^\| gemv|copy bandwidth"
+    # a Q4_0 model through the new 32-value-block kernels, as CUDA graphs and eager
+    synth qwen3-0.6b q06_q40 Q4_0
+    for arm in graphs eager; do
+      flag=""; [[ $arm == eager ]] && flag=--enforce-eager
+      timeout 120 python3 -c "import sys; from moestream.cli import main; sys.exit(main())" \
+        generate /tmp/q06_q40.gguf --device cuda -p "The quick brown fox" --max-tokens 48 \
+        --temperature 0 $flag > "/tmp/r/q40_$arm.txt" 2> "/tmp/r/q40_$arm.err"
+      echo "[Q4_0 generate, $arm rc=$?]"; tail -c 240 "/tmp/r/q40_$arm.txt"; echo
+    done
+    cmp -s /tmp/r/q40_graphs.txt /tmp/r/q40_eager.txt && echo "same text" || echo "texts differ"
     for kind in prose copy; do
       timeout 150 python3 bench/spec_phases.py --kind $kind --rounds 6 \
         --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT" | tee "$out/phases_$kind.txt"

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 Q = GGMLQuantizationType
-SYNTH_QUANTS = ("Q4_K_M", "Q4_K", "Q6_K", "Q2_K", "Q8_0", "F16", "BF16")
+SYNTH_QUANTS = ("Q4_K_M", "Q4_K", "Q6_K", "Q2_K", "Q8_0", "Q4_0", "F16", "BF16")
 WEIGHT_STD = 0.02
 POOL_BYTES = 32 << 20  # random blocks generated once per type; tensors are windows of it
 ALIGNMENT = 32
@@ -147,6 +147,10 @@ def random_blocks(
     # std of the integer codes: uniform over 2^bits levels -> sqrt((4^bits - 1) / 12)
     if qtype == Q.Q8_0:  # d; qs int8
         b[:, 0:2] = _f16(WEIGHT_STD / 73.9 * jitter)
+    elif qtype == Q.Q4_0:  # d; qs[16]: 32 nibbles, values (q - 8) * d
+        q = rng.integers(1, 16, (n, 32), dtype=np.uint8)  # codes -7..7: mean 0 (8 - 8 too)
+        b[:, 2:18] = q[:, :16] | (q[:, 16:] << 4)
+        b[:, 0:2] = _f16(WEIGHT_STD / np.sqrt(224 / 12) * jitter)
     elif qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, scales[12], (qh[32]), qs[128]
         bits, lo, hi = (4, 32, 64) if qtype == Q.Q4_K else (5, 16, 32)
         q_mean, q_std = (2**bits - 1) / 2, np.sqrt((4**bits - 1) / 12)

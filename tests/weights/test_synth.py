@@ -151,6 +151,9 @@ def test_other_mixes() -> None:
     assert {t for n, t in pure.items() if not n.endswith(("norm.weight", "gate_inp.weight"))} == {
         Q.Q4_K
     }
+    q40 = _types("qwen3-30b-a3b", "Q4_0", n_layers=2)
+    assert q40["output.weight"] == Q.Q6_K
+    assert q40["blk.1.ffn_down_exps.weight"] == q40["blk.0.attn_v.weight"] == Q.Q4_0
     for quant, qtype in (("Q8_0", Q.Q8_0), ("F16", Q.F16), ("BF16", Q.BF16)):
         mix = _types("qwen3-30b-a3b", quant, n_layers=2)
         assert {mix["output.weight"], mix["blk.1.ffn_down_exps.weight"]} == {qtype}
@@ -228,7 +231,7 @@ def _check_file(path: Path, like: str, quant: str, n_layers: int, n_experts: int
     assert _meta(reader, "general.architecture") == config.arch
     assert _meta(reader, "general.name") == config.name
     assert _meta(reader, "general.file_type") == {"Q4_K_M": 15, "Q4_K": 15, "Q6_K": 18,
-        "Q2_K": 10, "Q8_0": 7, "F16": 1, "BF16": 32}[quant]  # fmt: skip
+        "Q2_K": 10, "Q8_0": 7, "Q4_0": 2, "F16": 1, "BF16": 32}[quant]  # fmt: skip
     assert _meta(reader, "general.quantization_version") == 2
     assert _meta(reader, "general.alignment") == 32
     for key, value in config.to_gguf_metadata().items():
