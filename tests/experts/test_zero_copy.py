@@ -174,6 +174,30 @@ def test_rebalance_swaps_by_heat_with_hysteresis() -> None:
     p._reads += torch.tensor([0, 0, 0, 0, 5, 0])
     assert p.read_counts() == {"device": 16, "host": 53}  # 4's new reads on the device
     assert p.rebalance() == 0 and p.swaps == 1
+    # heat now 5, 0.5, 0, 1, 25, 5.5; 3 gains 14 reads: clearly hotter than 0 (heat 2.5) by the
+    # factor, but 15 - 2.5 is within 3 standard deviations of count noise (sqrt(17.5) * 3)
+    p._reads += torch.tensor([0, 0, 0, 14, 0, 0])
+    assert p.rebalance() == 0
+
+
+def test_uniform_routing_causes_almost_no_swaps() -> None:
+    """Routing spread evenly (as random weights route): the hottest of many read counts beats
+    the coldest by chance at every rebalance, and swapping on that would copy experts for
+    nothing; the noise margin keeps it to a handful over many windows."""
+    from moestream.experts import zero_copy as zc
+
+    e, n_dev = 64, 32
+    stacks = [
+        QTensor(torch.zeros(e, 8, 34, dtype=torch.uint8), GGMLQuantizationType.Q8_0, (e, 8, 32))
+        for _ in range(3)
+    ]
+    p = zc.ZeroCopyExperts(stacks, n_dev, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # windows of 64 steps of 8 distinct experts each
+        for _ in range(64):
+            p._reads[torch.randperm(e, generator=g)[:8]] += 1
+        p.rebalance()
+    assert p.swaps <= 5, p.swaps
 
 
 @pytest.mark.gpu
