@@ -169,6 +169,9 @@ class Proposer(ABC):
 
     name: ClassVar[str]
     costs_forward: ClassVar[bool] = False
+    # Model forwards the last `propose` ran (a `costs_forward` proposer): the picker prices a
+    # drafted position at the call's time over these. 0: one per drafted position.
+    last_forwards: int = 0
 
     @abstractmethod
     def propose(self, inputs: Sequence[ProposalInput]) -> dict[str, Proposal]:

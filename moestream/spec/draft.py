@@ -176,32 +176,48 @@ class DraftModelProposer(Proposer):
     WARM_UP_ID = "\x00draft-warm-up"  # not an id the engine or the server gives a request
 
     def warm_up(self, num_drafts: int, prompt_tokens: int = 16) -> None:
-        """Draft `num_drafts` tokens for a made-up request of `prompt_tokens` tokens and drop
-        it: a catch-up forward and single-token forwards, the shapes of a request's first
-        round and of every later one. On a GPU this compiles the draft's kernels (and
-        captures its decode graphs when `use_graphs`) before a request pays for it and before
-        the picker measures a draft forward: a first try that compiles costs seconds (3.25 s
-        on the H200 for the tiny pair) and would price the draft arm out for long. Once per
-        KV pool (`resize_kv` makes new graphs); leaves no state, every block back in the pool.
+        """Draft `num_drafts` tokens for made-up requests and drop them: one request of
+        `prompt_tokens` tokens, then two of `prompt_tokens` + 1 and 2 * `prompt_tokens` + 9
+        together. Their catch-up forwards and single-token forwards are the shapes of a
+        request's first round and of every later one, at batch 1 and above, at lengths that
+        are multiples of 16 and not (Triton specializes integer arguments on equalling 1 and
+        on divisibility by 16). On a GPU this compiles the draft's kernels (and captures its
+        decode graphs when `use_graphs`) before a request pays for it and before the picker
+        times a draft forward: a first try that compiles costs seconds (3.25 s on the H200
+        for the tiny pair). Shapes it misses (other batch sizes, long catch-ups) still compile
+        in a request's round; the picker re-times a draft arm before trusting its first
+        timing (`Picker._first_try`). Once per KV pool (`resize_kv` makes new graphs); leaves
+        no state, every block back in the pool.
         """
         if self._warm:
             return
-        tokens = [i % self.model.config.vocab_size for i in range(prompt_tokens)]
-        try:
-            self.propose([ProposalInput(self.WARM_UP_ID, tokens, [], num_drafts)])
-        finally:
-            self.release(self.WARM_UP_ID)
+        vocab = self.model.config.vocab_size
+        for lengths in ((prompt_tokens,), (prompt_tokens + 1, 2 * prompt_tokens + 9)):
+            ids = [f"{self.WARM_UP_ID}{i}" for i in range(len(lengths))]
+            try:
+                self.propose(
+                    [
+                        ProposalInput(rid, [(i + 7 * j) % vocab for i in range(n)], [], num_drafts)
+                        for j, (rid, n) in enumerate(zip(ids, lengths))
+                    ]
+                )
+            finally:
+                for rid in ids:
+                    self.release(rid)
+        self.last_forwards = 0
         self._warm = True
 
     # ---- proposing -----------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposalInput]) -> dict[str, Proposal]:
+        self.last_forwards = 0
         rows = [r for r in (self._prepare(inp) for inp in inputs if inp.num_drafts > 0) if r]
         if not rows:
             return {}
-        self._catch_up(rows)
+        self.last_forwards = self._catch_up(rows)
         logits = self._forward([(r, r.pending) for r in rows], want_logits=True)  # [B, V]
         max_k = max(r.k for r in rows)
+        self.last_forwards += max_k
         drafts = torch.full((len(rows), max_k), -1, dtype=torch.long, device=self.device)
         drafts[:, 0] = logits.argmax(dim=-1)
         for r in rows:
@@ -249,14 +265,17 @@ class DraftModelProposer(Proposer):
                 return None
         return _Row(inp, st, k, inp.token_slice(st.num_computed, n))
 
-    def _catch_up(self, rows: list[_Row]) -> None:
-        """Feed all but the last `max_prefill_tokens` pending tokens of long requests."""
+    def _catch_up(self, rows: list[_Row]) -> int:
+        """Feed all but the last `max_prefill_tokens` pending tokens of long requests; returns
+        the forwards that took."""
         chunk = self.max_prefill_tokens
+        forwards = 0
         while True:
             long_rows = [r for r in rows if len(r.pending) > chunk]
             if not long_rows:
-                return
+                return forwards
             self._forward([(r, r.pending[:chunk]) for r in long_rows], want_logits=False)
+            forwards += 1
             for r in long_rows:
                 r.state.num_computed += chunk
                 r.pending = r.pending[chunk:]

@@ -51,8 +51,9 @@ from dataclasses import dataclass, field
 
 from moestream.spec.stats import AcceptanceEMA, StepCostModel
 
-# Tries of a free proposer at its full draft length taken outside the exploration budget while
-# that step size is untimed (`Picker._first_try`): one may capture a CUDA graph (not timed).
+# Tries of an arm at its full draft length taken outside the exploration budget while what
+# prices it is unmeasured (`Picker._first_try`): a free proposer's verify step size (one may
+# capture a CUDA graph, not timed), a draft model's forward (its first timing may compile).
 FIRST_TRIES = 3
 
 
@@ -128,7 +129,7 @@ class Picker:
         self.explore_spent = 0.0  # estimated extra seconds of exploration so far
         self._unsettled: list[tuple[str, int, int, float]] = []  # last step's (arm, k, n0, cost)
         self._tries: dict[str, int] = {}  # request id -> n0 of its try awaiting verification
-        self._first_tries: dict[str, int] = {}  # free arm -> tries taken outside the budget
+        self._first_tries: dict[str, int] = {}  # arm -> tries taken outside the budget
         self._staged: Callable[[], None] | None = None  # what `commit` records
         self._requests: dict[str, _RequestState] = {}
 
@@ -308,19 +309,25 @@ class Picker:
         return max(0.0, extra)
 
     def _first_try(self, arm: str, n: int, taken: int) -> bool:
-        """Whether a try of a free arm (no model forwards) that verifies n tokens goes ahead
-        outside the budget, `taken` such tries of `arm` having gone before: while a step of
-        n tokens has never been timed, up to `FIRST_TRIES` per arm. One verify step prices
-        every draft length up to it; before it is timed, the linear bound prices drafting out
-        and the budget would allow only short tries for a long while. (A first step that
-        captures a CUDA graph is not timed, hence more than one.) None with a zero budget:
-        no exploration at all."""
-        return (
-            bool(self.explore_budget)
-            and arm not in self.draft_cost
-            and n not in self.target_cost
-            and taken < FIRST_TRIES
-        )
+        """Whether a try of `arm` that verifies n tokens goes ahead outside the budget, `taken`
+        such tries of `arm` having gone before (up to `FIRST_TRIES` per arm; none with a zero
+        budget: no exploration at all).
+
+        A free arm (no model forwards): while a step of n tokens has never been timed. One
+        verify step prices every draft length up to it; before it is timed, the linear bound
+        prices drafting out and the budget would allow only short tries for a long while. (A
+        first step that captures a CUDA graph is not timed, hence more than one.)
+
+        A model arm (a draft model): while its forward at batch 1 has been timed fewer than
+        twice. Its first timing often includes compiling kernels for a shape the warm-up did
+        not cover (154 ms on the H200 for the tiny pair's draft, ~700 forwards' worth); it
+        stands until a second replaces it (`StepCostModel.record`), and priced at it every
+        budgeted try would wait for hours."""
+        if not self.explore_budget or taken >= FIRST_TRIES:
+            return False
+        if arm in self.draft_cost:
+            return self.draft_cost[arm].count(1) < 2
+        return n not in self.target_cost
 
     def _settle(self) -> None:
         """Re-price the previous step's tries now that their step time is measured."""

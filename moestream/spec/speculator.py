@@ -329,7 +329,8 @@ class Speculator:
                 props = p.propose([replace(i, num_drafts=k) for i, k in zip(chosen, ks)])
                 seconds = time.perf_counter() - t0
                 self.draft_forward_seconds += seconds
-                self.picker.record_draft_time(name, len(chosen), max(ks), seconds)
+                forwards = p.last_forwards or max(ks)
+                self.picker.record_draft_time(name, len(chosen), forwards, seconds)
             else:
                 props = free[name]
             for inp in chosen:

@@ -206,6 +206,10 @@ class StepCostModel:
         """Whether steps of n have been measured."""
         return n in self._seconds
 
+    def count(self, n: int) -> int:
+        """How many steps of n have been measured."""
+        return self._count.get(n, 0)
+
     def measured(self) -> dict[int, float]:
         return {n: self._seconds[n] for n in self._sizes}
 

@@ -173,31 +173,43 @@ def test_capacity_skips_and_release_frees_blocks(model, prompts):
 
 def test_warm_up_runs_the_draft_once_per_pool_and_leaves_nothing(model, prompts, monkeypatch):
     """`warm_up` (the engine calls it on a GPU, so kernels compile before a request pays):
-    a catch-up forward and single-token forwards, then no request, no block held, and
-    requests after it get the same drafts as on a fresh pool. Once per pool: again only
-    after `resize_kv`."""
+    catch-up forwards and single-token forwards at batch 1 and 2, over lengths that are
+    multiples of 16 and not, then no request, no block held, and requests after it get the
+    same drafts as on a fresh pool. Once per pool: again only after `resize_kv`."""
     prop = DraftModelProposer(model, num_blocks=16, block_size=BS)
-    forwards = 0
+    shapes = []  # (tokens, sequences) of each forward
     forward = model.forward
 
-    def counted(*args, **kwargs):
-        nonlocal forwards
-        forwards += 1
-        return forward(*args, **kwargs)
+    def counted(ids, positions, attn, kv):
+        shapes.append((ids.shape[0], attn.seq_lens.shape[0]))
+        return forward(ids, positions, attn, kv)
 
     monkeypatch.setattr(model, "forward", counted)
     prop.warm_up(4)
-    assert forwards == 4  # the 16-token catch-up giving the first draft, then 3 single tokens
-    assert prop.num_requests == 0 and prop.allocator.num_used == 0
+    # one request of 16 tokens: its catch-up giving the first draft, then 3 single tokens;
+    # then two of 17 and 41 together: a 58-token catch-up, then 3 forwards of 2 tokens
+    assert shapes == [(16, 1), (1, 1), (1, 1), (1, 1), (58, 2), (2, 2), (2, 2), (2, 2)]
+    assert prop.num_requests == 0 and prop.allocator.num_used == 0 and prop.last_forwards == 0
     prop.warm_up(4)
-    assert forwards == 4
+    assert len(shapes) == 8
     assert propose_one(prop, "a", prompts[0], [], 4) == greedy_reference(model, prompts[0], 4)
     prop.release("a")
     prop.resize_kv(8)
-    before = forwards
+    before = len(shapes)
     prop.warm_up(2)
-    assert forwards == before + 2
+    assert len(shapes) == before + 4
     prop.allocator.check_invariants()
+
+
+def test_last_forwards_counts_catch_up_chunks_and_drafted_positions(model, prompts):
+    """`last_forwards`, what the picker divides a draft call's time by: the catch-up chunks
+    of a long request plus one forward per drafted position."""
+    prop = DraftModelProposer(model, num_blocks=16, block_size=BS, max_prefill_tokens=16)
+    propose_one(prop, "a", prompts[1], [], 3)  # 40 tokens: 2 chunks of 16, then 8 + 2 drafts
+    assert prop.last_forwards == 2 + 3
+    propose_one(prop, "a", prompts[1], [7], 2)  # caught up: the drafts' forwards alone
+    assert prop.last_forwards == 2
+    assert prop.propose([]) == {} and prop.last_forwards == 0
 
 
 def test_vocabulary_mismatch_is_rejected(model, source):
