@@ -274,13 +274,23 @@ def _mmq_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_
 class MmqConfig(NamedTuple):
     """Launch shape of the MMQ kernels: activation rows and weight rows per program (BLOCK_M a
     power of two >= 16, BLOCK_N a multiple of 64), K splits (dense only), warps, pipeline
-    stages."""
+    stages, and `maxnreg`: registers per thread at most (Triton's launch option; ptxas spills
+    what does not fit, for more resident warps per SM), None for no cap."""
 
     block_m: int = 16
     block_n: int = 64
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None
+
+    @property
+    def launch_options(self) -> dict[str, int]:
+        """Triton launch options: warps, stages, and the register cap when there is one."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 def warps_for(block_m: int) -> int:
@@ -310,6 +320,11 @@ def mmq_config(m: int, n: int, k: int, sms: int) -> MmqConfig:
 def _check_config(cfg: MmqConfig) -> None:
     if cfg.block_m < 16 or cfg.block_m & (cfg.block_m - 1) or cfg.block_n % 64:
         raise ValueError(f"{cfg}: BLOCK_M must be a power of two >= 16, BLOCK_N a multiple of 64")
+    # Registers are allocated 8 per thread (256 per warp), so other caps buy no more warps;
+    # a thread has 255 at most, and below 28-38 (by tile shape) ptxas cannot fit these
+    # kernels' MMA instructions (fatal error C7602).
+    if cfg.maxnreg is not None and (cfg.maxnreg % 8 or not 40 <= cfg.maxnreg <= 248):
+        raise ValueError(f"{cfg}: maxnreg must be None or a multiple of 8 from 40 to 248")
 
 
 def mmq(
@@ -341,7 +356,7 @@ def mmq(
         a.q.view(torch.int8), a.d, a.s, w.data, dst, m, n, 4 * a.q.stride(0), a.d.stride(0),
         w.data.stride(0), stride_os, dst.stride(-2), GROUPS_PER_SPLIT=groups // cfg.split_k,
         QTYPE=int(w.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.launch_options,
     )  # fmt: skip
     reduce_split_k(out, dst)
     return out

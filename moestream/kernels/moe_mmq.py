@@ -139,7 +139,7 @@ def moe_mmq(
         gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1),
         F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.launch_options,
     )  # fmt: skip
     ha = quantize_q8(hidden)  # [A, F] -> q8 blocks
     y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
@@ -147,7 +147,7 @@ def moe_mmq(
         ha.q.view(torch.int8), ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data,
         topk_weights, y, a, num_experts, h, down.data.stride(0), down.data.stride(1),
         F=f, QD=int(down.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **cfg.launch_options,
     )  # fmt: skip
     out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order
     return out

@@ -95,6 +95,26 @@ def test_moe_mmq_matches_reference(qtypes, t, k, experts, block_m) -> None:
     assert rel_err(out, moe_mmq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
 
 
+def test_moe_mmq_register_cap() -> None:
+    """A config with a register cap (`maxnreg`, a launch option: ptxas caps the GPU build, the
+    interpreter has no registers) launches and matches the reference; a cap that buys no
+    more warps or that ptxas cannot take is refused before any launch."""
+    gate = stacked(T.Q4_K, (S, FF, H), seed=1)
+    up = stacked(T.Q4_K, (S, FF, H), seed=2)
+    down = stacked(T.Q6_K, (S, H, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids, weights = routing(5, 2, [0, 1, 3, 4], seed=5)
+    x = activations(5, H, torch.float32, seed=6)
+    cfg = MmqConfig(block_m=16, block_n=64, num_warps=4, num_stages=1, maxnreg=128)
+    assert cfg.launch_options == {"num_warps": 4, "num_stages": 1, "maxnreg": 128}
+    assert "maxnreg" not in MmqConfig().launch_options  # no cap: Triton's default launch
+    out = moe_mmq(x, ids, weights, gate, up, down, slot, config=cfg)
+    assert rel_err(out, moe_mmq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+    for bad in (100, 32, 256):
+        with pytest.raises(ValueError, match="maxnreg"):
+            moe_mmq(x, ids, weights, gate, up, down, slot, config=cfg._replace(maxnreg=bad))
+
+
 def test_moe_mmq_config_and_bad_input() -> None:
     assert moe_mmq_config(8 * 8, 128).block_m == 16
     assert moe_mmq_config(1024 * 8, 128).block_m == 64
