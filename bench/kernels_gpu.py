@@ -506,19 +506,30 @@ def sweep_moe(gen, copy_gbs: float) -> None:
 
 def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     """The MoE "mmq" path (batched decode, 17-128 tokens) over launch shapes (`MmqConfig`:
-    weight rows per program, warps, pipeline stages; BLOCK_M from the mean assignments per
-    expert as `moe_mmq_config` picks it), Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64.
-    Prints every row, then the fastest per T and the one with the least summed time."""
+    weight rows per program, warps, pipeline stages, register cap; BLOCK_M from the mean
+    assignments per expert as `moe_mmq_config` picks it), Qwen3-30B-A3B layer, Q4_K/Q6_K, at
+    T = 16, 32, 64. Prints every row, then the fastest per T and the one with the least summed
+    time."""
     from moestream.kernels.mmq import MmqConfig
     from moestream.kernels.moe_mmq import moe_mmq_config
 
     mix = (T.Q4_K, T.Q6_K)
-    times: dict[tuple, dict[int, float]] = {}
+    shapes = [(64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3), (128, 8, 3),
+              (128, 8, 4), (64, 2, 3)]  # fmt: skip
+    # More resident warps per SM (`python bench/sm90_builds.py`, Triton 3.6, sm_90; the
+    # default, 2 warps and 3 stages, holds 8: 177 registers gate/up, 252 down). Warps per SM,
+    # bytes of spill stores gate/up / down:
+    #   2 warps, 3 stages, cap 168: 12, 8 / 188; cap 128: 16, 148 / 516
+    #   4 warps, 1 stage (no cp.async): 12, none; cap 128: 16, 0 / 28; cap 96: 20, 104 / 188
+    #   4 warps, 2 and 3 stages, cap 128: 16, 16 / 88 and 8 / 88
+    shapes += [(64, 2, 3, 168), (64, 2, 3, 128), (64, 4, 1), (64, 4, 1, 128), (64, 4, 1, 96),
+               (64, 4, 2, 128), (64, 4, 3, 128)]  # fmt: skip
+    times: dict[str, dict[int, float]] = {}
     for t in (16, 32, 64):
         base = moe_mmq_config(t * TOPK, E)
-        for bn, w, st in [(64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 3),
-                          (128, 8, 3), (128, 8, 4), (64, 2, 3)]:  # fmt: skip
-            cfg = MmqConfig(base.block_m, bn, 1, w, st)
+        for bn, w, st, *cap in shapes:
+            cfg = MmqConfig(base.block_m, bn, 1, w, st, *cap)
+            name = f"bn{bn} w{w} st{st}" + (f" r{cap[0]}" if cap else "")
             try:
                 r = bench_moe(t, mix, torch.bfloat16, gen=gen, mmq_cfg=cfg)
             except Exception as exc:  # a shape the compiler rejects: report, go on
@@ -528,17 +539,17 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
             mark = " (default)" if cfg == base else ""
             print(
                 f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
-                f"  err {r.err:.1e}  bn{bn} w{w} st{st}{mark}",
+                f"  err {r.err:.1e}  {name}{mark}",
                 flush=True,
             )
-            times.setdefault((bn, w, st), {})[t] = r.us
+            times.setdefault(name, {})[t] = r.us
             torch.cuda.empty_cache()
     full = {k: v for k, v in times.items() if len(v) == 3}
     for t in (16, 32, 64):
         best = min(full, key=lambda k: full[k][t])
-        print(f"fastest at T={t}: bn{best[0]} w{best[1]} st{best[2]} {full[best][t]:.1f} us")
+        print(f"fastest at T={t}: {best} {full[best][t]:.1f} us")
     best = min(full, key=lambda k: sum(full[k].values()))
-    print(f"least summed time: bn{best[0]} w{best[1]} st{best[2]} {full[best]}")
+    print(f"least summed time: {best} {full[best]}")
 
 
 def sweep_moe_host(gen, copy_gbs: float) -> None:

@@ -1,0 +1,210 @@
+"""Build statistics of the fused MoE mmq kernels for sm_90, without a GPU: registers, spills,
+shared memory, cp.async copies, global loads by width and the occupancy they allow, per launch
+variant (warps, pipeline stages, BLOCK_N, BLOCK_M, register cap).
+
+Usage (repository root; no GPU needed, the Triton wheel's own ptxas compiles):
+    python bench/sm90_builds.py [--quick] [--jobs N]
+
+Each variant of `moe_mmq._moe_gate_up_kernel` and `moe_mmq._moe_down_kernel` at the
+Qwen3-30B-A3B shapes (H = 2048: 8 groups of 256, F = 768, top-8; gate/up Q4_K, down Q6_K and
+Q4_K) is compiled for sm_90 as a launch with aligned tensors specializes it (pointers and the
+strides that are multiples of 16 carry `tt.divisibility` 16; Q6_K's 630-byte rows do not), the
+way `tests/kernels/test_sm90_builds.py` does. Registers and spills come from ptxas's own
+report (`-v`; `CompiledKernel.n_regs` / `n_spills` need a CUDA driver), shared memory from the
+build's metadata, cp.async copies and global loads are counted in the PTX (static instructions:
+a pipelined loop's prologue copies count too). "blocks/SM" is the occupancy calculator's bound
+on an H200 (sm_90): 64 K registers in 4 quarters that each hold whole warps (registers
+allocated 256 per warp), 228 KiB shared memory with 1 KiB reserved per block, 32 blocks, 64
+warps. "maxnreg" is Triton's launch option (`.maxnreg` in the PTX): ptxas spills
+what does not fit, and may use up to the cap where it uses fewer without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import itertools
+import os
+import re
+import sys
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+F, H_GROUPS, TOPK = 768, 8, 8  # Qwen3-30B-A3B: expert FFN, hidden / 256, experts per token
+Q4_K, Q6_K = 12, 14
+QTYPE_NAMES = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
+POINTERS = {
+    "xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32",
+    "block_expert_ptr": "*i32", "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8",
+    "h_ptr": "*fp32", "hq_ptr": "*i8", "hd_ptr": "*fp32", "hs_ptr": "*fp32", "d_ptr": "*u8",
+    "weights_ptr": "*fp32", "y_ptr": "*fp32",
+}  # fmt: skip
+# Integer arguments that are multiples of 16 at T = 32 (A = 256 assignments, E = 128, H = 2048,
+# the activations' rows, the expert stacks, Q4_K's 1152-byte gate/up rows; `build` adds the
+# 432-byte rows of Q4_K down).
+ALIGNED = {"A", "E", "H", "stride_xm", "stride_dm", "stride_ge", "stride_gn", "stride_ue",
+           "stride_un", "stride_de"}  # fmt: skip
+SM90_REGS_PER_QUARTER, SM90_SMEM, SM90_BLOCKS, SM90_WARPS = 16384, 228 * 1024, 32, 64
+# The bytes operand of `cp.async.ca|cg.shared.global [dst], [src], bytes, ...` in PTX.
+CP_ASYNC_SIZE = re.compile(
+    r"cp\.async\.c[ag]\.shared\.global\S*\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)"
+)
+
+
+class Variant(NamedTuple):
+    kernel: str  # "gate_up" or "down"
+    qtype: int  # the weights' GGML type (gate and up alike)
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    maxnreg: int | None
+
+
+class Build(NamedTuple):
+    variant: Variant
+    mma: str  # "wgmma" or "mma.sync"
+    regs: int
+    spill_stores: int  # bytes
+    spill_loads: int
+    shared: int  # bytes of dynamic shared memory per block
+    cp_async: Counter  # copies by bytes (4, 8, 16)
+    loads: Counter  # ld.global by bytes per thread (1, 2, 4, 8, 16)
+
+
+def variants(quick: bool) -> list[Variant]:
+    """Gate/up (Q4_K) and down (Q6_K, Q4_K) at BLOCK_M 16 over warps x stages x BLOCK_N x
+    maxnreg, and BLOCK_M 32 (the mean 17-32 assignments per expert) at BLOCK_N 64, 3 stages.
+    `quick`: the current launch (2 warps, 3 stages, BLOCK_N 64) and a few changes of it."""
+    kernels = [("gate_up", Q4_K), ("down", Q6_K), ("down", Q4_K)]
+    if quick:
+        shapes = [(16, 64, 2, 3, None), (16, 64, 2, 3, 128), (16, 64, 4, 3, None),
+                  (16, 64, 4, 3, 128), (16, 64, 2, 1, None)]  # fmt: skip
+    else:
+        shapes = list(itertools.product([16], [32, 64, 128], [2, 4], [1, 2, 3, 4],
+                                        [None, 96, 128, 168]))  # fmt: skip
+        shapes += list(itertools.product([32], [64], [4, 8], [3], [None, 128]))
+    return [Variant(k, q, *shape) for k, q in kernels for shape in shapes]
+
+
+def _ptxas_report(log: str) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from `ptxas -v`."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None or spills is None:
+        raise RuntimeError(f"no ptxas report in the build's output: {log[-300:]!r}")
+    return int(regs.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def _load_widths(ptx: str) -> Counter:
+    """ld.global instructions by bytes per thread (vector length x element width)."""
+    widths = Counter()
+    for suffix in re.findall(r"\bld\.global((?:\.[\w:]+)+)", ptx):
+        parts = suffix.split(".")
+        vec = 4 if "v4" in parts else 2 if "v2" in parts else 1
+        bits = int(re.fullmatch(r"[bsuf](\d+)", parts[-1]).group(1))
+        widths[vec * bits // 8] += 1
+    return widths
+
+
+def build(v: Variant) -> Build:
+    """Compile one variant for sm_90 (fresh, so that ptxas runs and reports)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moestream.kernels import moe_mmq
+
+    if v.kernel == "gate_up":
+        kernel = moe_mmq._moe_gate_up_kernel
+        constexprs = dict(F=F, QG=v.qtype, QU=v.qtype, H_GROUPS=H_GROUPS, TOPK=TOPK)
+    else:
+        kernel = moe_mmq._moe_down_kernel
+        constexprs = dict(F=F, QD=v.qtype)
+    constexprs.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True)
+    aligned = ALIGNED | ({"stride_dn"} if v.qtype == Q4_K else set())  # Q6_K rows: 630 B
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in POINTERS or n in aligned}  # fmt: skip
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+    if v.maxnreg is not None:
+        options["maxnreg"] = v.maxnreg
+    knobs.compilation.always_compile = True  # a cached build skips ptxas and its report
+    knobs.nvidia.dump_ptxas_log = True  # printed to stdout
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    copies = Counter(int(size, 0) for size in CP_ASYNC_SIZE.findall(ptx))
+    mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync"
+    regs, stores, loads = _ptxas_report(log.getvalue())
+    return Build(v, mma, regs, stores, loads, compiled.metadata.shared, copies, _load_widths(ptx))
+
+
+def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
+    """Resident blocks per SM on sm_90 (the CUDA occupancy calculator's rules)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (SM90_REGS_PER_QUARTER // per_warp) * 4 // warps
+    by_smem = SM90_SMEM // (shared + 1024)
+    return min(SM90_BLOCKS, SM90_WARPS // warps, by_regs, by_smem)
+
+
+def _try_build(v: Variant) -> Build | str:
+    try:
+        return build(v)
+    except Exception as exc:  # a variant the compiler rejects: one row says why
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
+
+
+def row(v: Variant, b: Build | str) -> str:
+    kernel = f"{v.kernel} {QTYPE_NAMES[v.qtype]}"
+    shape = (kernel, v.block_m, v.block_n, v.num_warps, v.num_stages, v.maxnreg or "-")
+    if isinstance(b, str):
+        cells = (*shape, f"FAILED {b}")
+    else:
+        blocks = blocks_per_sm(b.regs, v.num_warps, b.shared)
+        copies = "/".join(str(b.cp_async[n]) for n in (16, 8, 4))
+        loads = "/".join(str(b.loads[n]) for n in (16, 8, 4, 2, 1))
+        spills = f"{b.spill_stores}/{b.spill_loads}" if b.spill_stores or b.spill_loads else "0"
+        occupancy = f"{100 * blocks * v.num_warps / SM90_WARPS:.1f}%"
+        cells = (*shape, b.mma, b.regs, spills, b.shared, copies, loads, blocks, occupancy)
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="5 variants per kernel, not 100")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel builds")
+    args = parser.parse_args()
+    # The interpreter (TRITON_INTERPRET=1, as the CPU tests set it) cannot compile; the builds
+    # run in children that inherit this environment and import triton after it is cleared.
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+
+    todo = variants(args.quick)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        builds = list(pool.map(_try_build, todo))
+    command = " ".join(["python", *sys.argv])
+    print(f"`{command}`: triton {triton.__version__}, sm_90, {datetime.date.today()}\n")
+    header = ("kernel", "BM", "BN", "warps", "stages", "maxnreg", "mma", "regs",
+              "spill st/ld B", "smem B", "cp.async 16/8/4 B", "ld.global 16/8/4/2/1 B",
+              "blocks/SM", "occupancy")  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for v, b in zip(todo, builds, strict=True):
+        print(row(v, b), flush=True)
+    failed = sum(isinstance(b, str) for b in builds)
+    return 1 if failed == len(builds) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
