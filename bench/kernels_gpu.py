@@ -237,7 +237,7 @@ def bench_moe(
     ids, weights, slot, out = calls[0]
     path = "mmq" if mmq_cfg is not None else method or default_method(t * TOPK, gate, up, down, x)
     run(calls[0])
-    ref = moe_mmvq_ref if path in ("mmvq", "mmq") else ops.moe_forward_ref
+    ref = moe_mmvq_ref if path in ("mmvq", "mmq", "grouped") else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
     us = graph_time_us([lambda a=a: run(a) for a in calls])
     mean_used = sum(used) / len(used)
@@ -552,6 +552,67 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     print(f"least summed time: {best} {full[best]}")
 
 
+def sweep_moe_grouped(gen, copy_gbs: float) -> None:
+    """The MoE "grouped" path (`moe_grouped`: each expert's weights read once per block of its
+    assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
+    defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64. Prints every row, then
+    the fastest shape per T and the one with the least summed time."""
+    from moestream.kernels import moe_grouped
+    from moestream.kernels.moe_grouped import MoeGroupedConfig
+
+    mix = (T.Q4_K, T.Q6_K)
+    default = moe_grouped.DEFAULT_CONFIG
+    configs = [default] + [
+        MoeGroupedConfig(
+            block_m=m,
+            up_block_n=n,
+            up_groups=g,
+            up_warps=w,
+            down_block_n=dn,
+            down_groups=dg,
+            down_warps=dw,
+        )
+        for m, n, g, w, dn, dg, dw in (
+            (2, 8, 8, 2, 8, 4, 1),
+            (8, 8, 8, 2, 8, 4, 1),
+            (16, 8, 8, 2, 8, 4, 1),
+            (4, 16, 8, 2, 16, 4, 1),
+            (4, 4, 8, 2, 4, 4, 1),
+            (2, 16, 8, 2, 16, 4, 1),
+            (8, 4, 8, 2, 4, 2, 1),
+            (4, 8, 4, 1, 8, 2, 1),
+        )
+    ]
+    times: dict[MoeGroupedConfig, dict[int, float]] = {}
+    for t in (16, 32, 64):
+        for method in ("mmvq", "mmq"):
+            r = bench_moe(t, mix, torch.bfloat16, method, gen=gen)
+            gbs = r.nbytes / r.us / 1e3
+            print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
+                  f"  err {r.err:.1e}  {method} (default shape)", flush=True)  # fmt: skip
+        for cfg in dict.fromkeys(configs):
+            moe_grouped.DEFAULT_CONFIG = cfg  # what fused_moe's "grouped" path launches
+            try:
+                r = bench_moe(t, mix, torch.bfloat16, "grouped", gen=gen)
+            except Exception as exc:  # a shape the compiler rejects: report, go on
+                print(f"  T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            finally:
+                moe_grouped.DEFAULT_CONFIG = default
+            gbs = r.nbytes / r.us / 1e3
+            mark = " (default)" if cfg == default else ""
+            print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
+                  f"  err {r.err:.1e}  grouped {cfg}{mark}", flush=True)  # fmt: skip
+            times.setdefault(cfg, {})[t] = r.us
+            torch.cuda.empty_cache()
+    full = {k: v for k, v in times.items() if len(v) == 3}
+    for t in (16, 32, 64):
+        best = min(full, key=lambda k: full[k][t])
+        print(f"fastest at T={t}: {full[best][t]:.1f} us {best}")
+    best = min(full, key=lambda k: sum(full[k].values()))
+    print(f"least summed time: {best} {full[best]}")
+
+
 def sweep_moe_host(gen, copy_gbs: float) -> None:
     """The MoE "mmvq" path reading experts by address (zero-copy placement,
     `--expert-zero-copy`): a Qwen3-30B-A3B layer (Q4_K/Q6_K) with half of its experts in device
@@ -677,6 +738,11 @@ def main() -> int:
         "--sweep-moe-mmq", action="store_true", help="time the MoE mmq launch shapes, T=16..64"
     )
     parser.add_argument(
+        "--sweep-moe-grouped",
+        action="store_true",
+        help="time the MoE grouped launch shapes against mmvq and mmq, T=8..64",
+    )
+    parser.add_argument(
         "--sweep-moe-host",
         action="store_true",
         help="time the MoE mmvq launch shapes on half host-resident (zero-copy) experts",
@@ -701,6 +767,7 @@ def main() -> int:
         (args.sweep, sweep),
         (args.sweep_moe, sweep_moe),
         (args.sweep_moe_mmq, sweep_moe_mmq),
+        (args.sweep_moe_grouped, sweep_moe_grouped),
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),

@@ -62,12 +62,15 @@
 #                                        (the noise floor) and the draft warmed up at load
 #   bench/scripts/gpu_figures.sh mmq     ncu of the MoE's batched-decode (mmq) kernels at 32
 #                                        tokens, 22% of copy bandwidth in the fourth session
+#   bench/scripts/gpu_figures.sh grouped GPU tests of the draft model and the grouped MoE path;
+#                                        its launch shapes against mmvq and mmq (T = 16-64);
+#                                        30B-A3B at 16 and 32 requests with it and without
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -438,6 +441,24 @@ PY
       --section MemoryWorkloadAnalysis --section SchedulerStats \
       python3 bench/kernels_gpu.py --only moe > "$out/ncu_mmq.txt" 2>&1
     echo "[ncu rc=$?]"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_mmq.txt" | head -60
+    ;;
+  grouped)
+    timeout 150 python3 -m pytest tests/spec/test_draft.py tests/kernels/test_moe_grouped.py \
+      -q -p no:cacheprovider -x 2>&1 | tail -3
+    timeout 300 python3 bench/kernels_gpu.py --sweep-moe-grouped 2>&1 \
+      | tee "$out/sweep_moe_grouped.log" | grep -v "^  T=.*grouped" | tail -14
+    synth qwen3-30b-a3b q30
+    # the model with the grouped path for 17-64 tokens (A = 129..512), then as it is
+    on='import moestream.kernels.moe as m; m.GROUPED_MIN_ASSIGNMENTS = 129; m.GROUPED_MAX_ASSIGNMENTS = 512; '
+    for arm in grouped default; do
+      pre=""; [[ $arm == grouped ]] && pre=$on
+      timeout 150 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 128 --decode-depths 0 \
+        --decode-tokens 32 --repeats 2 --concurrency 16,32 --concurrency-prompt 128 \
+        --out "/tmp/r/grp_$arm" > /tmp/r/grp.log 2>&1
+      echo "[30B concurrency, $arm rc=$?]"; grep "^| 16 \|^| 32 " /tmp/r/grp.log
+      cp "/tmp/r/grp_$arm/result.json" "$out/grp_$arm.json" 2>/dev/null
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

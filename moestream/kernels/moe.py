@@ -63,6 +63,10 @@ MMVQ_MAX_ASSIGNMENTS = 256
 # (it grew 459 -> 517 us from T=32 to 64, with every expert already read).
 MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
 MMQ_MAX_ASSIGNMENTS = 1024
+# The "grouped" path's range of A (`moe_grouped`: each expert's weights read once per block of
+# its assignments, integer dots). Empty until timed against mmvq and mmq on a GPU.
+GROUPED_MIN_ASSIGNMENTS = MMQ_MAX_ASSIGNMENTS + 1
+GROUPED_MAX_ASSIGNMENTS = MMQ_MAX_ASSIGNMENTS
 # The "dequant" path writes every routed expert of the layer as bf16 at once (1.2 GB for
 # Qwen3-30B-A3B); a layer whose copies would exceed this takes the grouped Triton GEMM instead.
 DEQUANT_MAX_SCRATCH_BYTES = 4 << 30
@@ -200,6 +204,8 @@ def default_method(
     ):
         return "dequant"
     if all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+        if GROUPED_MIN_ASSIGNMENTS <= a <= GROUPED_MAX_ASSIGNMENTS:
+            return "grouped"
         if a <= MMVQ_DEFAULT_MAX_ASSIGNMENTS:
             return "mmvq"
         if a <= MMQ_MAX_ASSIGNMENTS:
@@ -341,7 +347,8 @@ def fused_moe(
     gate, up: QTensor [S, F, H]; down [S, H, F] (H and F multiples of 256, kernel types);
     expert_slot [E] int32 maps every expert that `topk_ids` names to a slot in [0, S) (not
     checked on the device: a bad slot reads out of bounds). `out`, when given, is a [T, H]
-    tensor of x's dtype with unit last stride. `method` ("mmvq", "gemv" or "gemm") and `block_n`
+    tensor of x's dtype with unit last stride. `method` ("mmvq", "mmq", "grouped", "gemv",
+    "gemm" or "dequant") and `block_n`
     (a power of two; at least 16 for "gemm") override the heuristics (`default_method`).
 
     `expert_addr` [3, E] int64 (contiguous, on x's device), when given, replaces the stacks'
@@ -351,10 +358,10 @@ def fused_moe(
     addressing), each 16-byte aligned (not checked here: that would need a sync). It needs the
     "mmvq" path, and `expert_slot` may be None (it is not read).
 
-    "mmvq" only: `mmvq_cfg` its launch shape (default `moe_mmvq.DEFAULT_CONFIG`); `xa` x's q8 blocks
-    when the caller already has them (`mmvq.quantize_q8(x)`; x then gives only shapes, dtype
-    and device); `counters` the zero arrival counters of a gate/up split
-    (`moe_mmvq.mmvq_counters`, left zero; a fresh buffer per call when None).
+    "mmvq" only: `mmvq_cfg` its launch shape (default `moe_mmvq.DEFAULT_CONFIG`); "mmvq" and
+    "grouped": `xa` x's q8 blocks when the caller already has them (`mmvq.quantize_q8(x)`; x
+    then gives only shapes, dtype and device); "mmvq": `counters` the zero arrival counters of
+    a gate/up split (`moe_mmvq.mmvq_counters`, left zero; a fresh buffer per call when None).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     if expert_slot is None and expert_addr is None:
@@ -411,6 +418,10 @@ def fused_moe(
         from moestream.kernels.moe_mmq import moe_mmq
 
         return moe_mmq(x, topk_ids, topk_weights, gate, up, down, expert_slot, out=out)
+    if method == "grouped":
+        from moestream.kernels.moe_grouped import moe_grouped
+
+        return moe_grouped(x, topk_ids, topk_weights, gate, up, down, expert_slot, out, xa=xa)
     if method == "dequant":
         from moestream.kernels.dequant_mm import moe_dequant_grouped
 
@@ -418,7 +429,9 @@ def fused_moe(
             raise ValueError(f"dequant: no grouped GEMM for {x.dtype} on {x.device}")
         return moe_dequant_grouped(x, topk_ids, topk_weights, gate, up, down, expert_slot, out)
     if method != "gemm":
-        raise ValueError(f"method must be mmvq, mmq, gemv, gemm or dequant, got {method!r}")
+        raise ValueError(
+            f"method must be mmvq, mmq, grouped, gemv, gemm or dequant, got {method!r}"
+        )
     num_experts = expert_slot.shape[0]
     block_m, gu_block_n, down_block_n, num_warps, num_stages = moe_gemm_config(
         a / num_experts, x.dtype

@@ -309,7 +309,8 @@ def moe_takes_q8(
         return True
     from moestream.kernels.moe import default_method
 
-    return default_method(x.shape[0] * top_k, gate, up, down, x, num_experts) == "mmvq"
+    method = default_method(x.shape[0] * top_k, gate, up, down, x, num_experts)
+    return method in ("mmvq", "grouped")
 
 
 def moe_forward(

@@ -1,0 +1,106 @@
+"""The "grouped" MoE path (each expert's weights read once per block of its assignments)
+against the mmvq reference. Without CUDA the Triton interpreter runs it on the CPU, where each
+weight row of a block costs ~0.1 s (the "once" step's integer dots are emulated): the CPU
+cases are the smallest that cover the path (one expert block, padding, three weight types);
+on a GPU more shapes run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from moestream.kernels import moe as moe_module  # noqa: E402
+from moestream.kernels import moe_grouped as grouped_module  # noqa: E402
+from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
+from moestream.kernels.moe_grouped import MoeGroupedConfig, moe_grouped  # noqa: E402
+from moestream.kernels.moe_mmvq import moe_mmvq_ref  # noqa: E402
+from tests.kernels.test_moe_kernel import rel_err, routing, stacked  # noqa: E402
+from tests.kernels.test_quant_matmul import activations  # noqa: E402
+
+T = GGMLQuantizationType
+H, FF = 256, 256  # hidden, expert FFN: one group of 256 each
+E, S = 6, 5  # experts, weight slots: expert 5 has no slot and is never routed to
+SLOT = [3, 0, 4, 1, 2, -1]  # a permutation of the slots
+
+
+def test_moe_grouped_matches_reference_and_a_rows_bits_do_not_depend_on_its_place() -> None:
+    """Three tokens routed to one expert: one block of 4 (a padding row), gate Q4_K, up Q6_K,
+    down Q8_0. Tokens 0 and 2 have the same activations and routing, at different places in
+    the block: their outputs have the same bits (a row's sums are a fixed tree)."""
+    gate = stacked(T.Q4_K, (S, FF, H), seed=1)
+    up = stacked(T.Q6_K, (S, FF, H), seed=2)
+    down = stacked(T.Q8_0, (S, H, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[3], [3], [3]], device=DEVICE)
+    weights = torch.tensor([[0.75], [0.5], [0.75]], device=DEVICE)
+    x = activations(3, H, torch.float32, seed=4)
+    x[2] = x[0]
+    out = torch.full((3, H), float("nan"), device=DEVICE)
+    moe_grouped(x, ids, weights, gate, up, down, slot, out, MoeGroupedConfig(block_m=4))
+    # h is rounded to 8 bits from float32 sums taken in another order than the reference's:
+    # a value on a rounding boundary may land one step away
+    assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+    assert torch.equal(out[0], out[2])
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="minutes in the Triton interpreter; runs on a GPU")
+@pytest.mark.parametrize(
+    "qtypes, t, k, experts, cfg",
+    [
+        ((T.Q4_K, T.Q5_K, T.Q6_K), 5, 2, [0, 1, 3, 4], MoeGroupedConfig()),
+        ((T.Q8_0, T.Q8_0, T.Q4_K), 20, 2, [1, 3], MoeGroupedConfig(block_m=8, up_block_n=16)),
+        ((T.Q6_K, T.Q6_K, T.Q8_0), 9, 3, [0, 1, 2, 3, 4], MoeGroupedConfig(block_m=2)),
+        ((T.Q4_K, T.Q4_K, T.Q6_K), 7, 2, [0, 1, 2, 3, 4], MoeGroupedConfig(block_m=1)),
+        ((T.Q5_K, T.Q4_K, T.Q5_K), 12, 2, [0, 4], MoeGroupedConfig(block_m=16, up_groups=1)),
+    ],
+)
+def test_moe_grouped_shapes_match_reference(qtypes, t, k, experts, cfg) -> None:
+    h = 2048  # 8 groups: K loops of several steps
+    gate = stacked(qtypes[0], (S, FF, h), seed=1)
+    up = stacked(qtypes[1], (S, FF, h), seed=2)
+    down = stacked(qtypes[2], (S, h, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids, weights = routing(t, k, experts, seed=t)
+    x = activations(t, h, torch.float32, seed=t + 1)
+    out = torch.full((t, h), float("nan"), device=DEVICE)
+    moe_grouped(x, ids, weights, gate, up, down, slot, out, cfg)
+    assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+
+
+def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch) -> None:
+    gate = stacked(T.Q4_K, (S, FF, H), seed=1)
+    q2 = stacked(T.Q2_K, (S, H, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids, weights = routing(3, 2, [0, 1, 2], seed=0)
+    x = activations(3, H, torch.float32, seed=1)
+    calls = []
+    monkeypatch.setattr(grouped_module, "moe_grouped", lambda *a, **kw: calls.append(kw) or a[7])
+    out = fused_moe(x, ids, weights, gate, gate, gate, slot, method="grouped")
+    assert calls == [{"xa": None}] and out.shape == x.shape
+    # the default path takes it inside its range of assignments, for kernel types only
+    monkeypatch.setattr(moe_module, "GROUPED_MIN_ASSIGNMENTS", 4)
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_ASSIGNMENTS", 8)
+    assert [default_method(a, gate, gate, gate) for a in (3, 4, 8, 9)] == [
+        "mmvq",
+        "grouped",
+        "grouped",
+        "mmvq",
+    ]
+    assert default_method(6, gate, gate, q2) != "grouped"
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="MMVQ_QTYPES"):
+        moe_grouped(x, ids, weights, gate, gate, q2, slot, torch.empty_like(x))
+    with pytest.raises(ValueError, match="expert_slot"):
+        moe_grouped(x, ids, weights, gate, gate, gate, None, torch.empty_like(x))
+    for bad in (dict(block_m=3), dict(block_m=32), dict(up_warps=3)):
+        with pytest.raises(ValueError, match="MoeGroupedConfig"):
+            MoeGroupedConfig(**bad)
