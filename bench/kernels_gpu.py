@@ -191,19 +191,31 @@ def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
 
 
 def bench_moe(
-    t: int, qtypes, dtype, method=None, *, gen, mmvq_cfg=None, cached=False, mmq_cfg=None
+    t: int,
+    qtypes,
+    dtype,
+    method=None,
+    *,
+    gen,
+    mmvq_cfg=None,
+    cached=False,
+    mmq_cfg=None,
+    grouped_cfg=None,
 ) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
-    slot e + 128 c), so consecutive calls read different, cold experts. `mmq_cfg`: the "mmq"
-    path with that launch shape (`moe_mmq.moe_mmq`)."""
+    slot e + 128 c), so consecutive calls read different, cold experts. `mmq_cfg`,
+    `grouped_cfg`: the "mmq" / "grouped" path with that launch shape."""
     from moestream.kernels.moe import default_method, fused_moe
+    from moestream.kernels.moe_grouped import moe_grouped
     from moestream.kernels.moe_mmq import moe_mmq
     from moestream.kernels.moe_mmvq import moe_mmvq_ref
 
     def run(a) -> None:
         if mmq_cfg is not None:
             moe_mmq(x, a[0], a[1], gate, up, down, a[2], out=a[3], config=mmq_cfg)
+        elif grouped_cfg is not None:
+            moe_grouped(x, a[0], a[1], gate, up, down, a[2], a[3], grouped_cfg)
         else:
             fused_moe(
                 x, a[0], a[1], gate, up, down, a[2], out=a[3], method=method, mmvq_cfg=mmvq_cfg
@@ -235,7 +247,8 @@ def bench_moe(
         calls.append((ids, weights, slot, out))
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
-    path = "mmq" if mmq_cfg is not None else method or default_method(t * TOPK, gate, up, down, x)
+    path = "mmq" if mmq_cfg is not None else "grouped" if grouped_cfg is not None else None
+    path = path or method or default_method(t * TOPK, gate, up, down, x)
     run(calls[0])
     ref = moe_mmvq_ref if path in ("mmvq", "mmq", "grouped") else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))
@@ -557,12 +570,10 @@ def sweep_moe_grouped(gen, copy_gbs: float) -> None:
     assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
     defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64. Prints every row, then
     the fastest shape per T and the one with the least summed time."""
-    from moestream.kernels import moe_grouped
-    from moestream.kernels.moe_grouped import MoeGroupedConfig
+    from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config
 
     mix = (T.Q4_K, T.Q6_K)
-    default = moe_grouped.DEFAULT_CONFIG
-    configs = [default] + [
+    configs = [grouped_config(t * TOPK, E) for t in (16, 32, 64)] + [
         MoeGroupedConfig(
             block_m=m,
             up_block_n=n,
@@ -591,16 +602,13 @@ def sweep_moe_grouped(gen, copy_gbs: float) -> None:
             print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
                   f"  err {r.err:.1e}  {method} (default shape)", flush=True)  # fmt: skip
         for cfg in dict.fromkeys(configs):
-            moe_grouped.DEFAULT_CONFIG = cfg  # what fused_moe's "grouped" path launches
             try:
-                r = bench_moe(t, mix, torch.bfloat16, "grouped", gen=gen)
+                r = bench_moe(t, mix, torch.bfloat16, gen=gen, grouped_cfg=cfg)
             except Exception as exc:  # a shape the compiler rejects: report, go on
                 print(f"  T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            finally:
-                moe_grouped.DEFAULT_CONFIG = default
             gbs = r.nbytes / r.us / 1e3
-            mark = " (default)" if cfg == default else ""
+            mark = " (default)" if cfg == grouped_config(t * TOPK, E) else ""
             print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
                   f"  err {r.err:.1e}  grouped {cfg}{mark}", flush=True)  # fmt: skip
             times.setdefault(cfg, {})[t] = r.us

@@ -62,6 +62,8 @@
 #                                        (the noise floor) and the draft warmed up at load
 #   bench/scripts/gpu_figures.sh mmq     ncu of the MoE's batched-decode (mmq) kernels at 32
 #                                        tokens, 22% of copy bandwidth in the fourth session
+#   bench/scripts/gpu_figures.sh fin6    the tiny pair's step phases (plain twice, draft, auto);
+#                                        30B-A3B figures
 #   bench/scripts/gpu_figures.sh grouped GPU tests of the draft model and the grouped MoE path;
 #                                        its launch shapes against mmvq and mmq (T = 16-64);
 #                                        30B-A3B at 16 and 32 requests with it and without
@@ -70,7 +72,7 @@
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -459,6 +461,16 @@ PY
       echo "[30B concurrency, $arm rc=$?]"; grep "^| 16 \|^| 32 " /tmp/r/grp.log
       cp "/tmp/r/grp_$arm/result.json" "$out/grp_$arm.json" 2>/dev/null
     done
+    ;;
+  fin6)  # the tiny pair's step phases with the picker's re-timing; 30B figures, grouped MoE
+    for kind in prose copy; do
+      timeout 100 python3 bench/spec_phases.py --kind $kind --rounds 4 \
+        --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_$kind.txt"
+    done
+    synth qwen3-30b-a3b q30
+    bench q30 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -64,9 +64,13 @@ MMVQ_MAX_ASSIGNMENTS = 256
 MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
 MMQ_MAX_ASSIGNMENTS = 1024
 # The "grouped" path's range of A (`moe_grouped`: each expert's weights read once per block of
-# its assignments, integer dots). Empty until timed against mmvq and mmq on a GPU.
-GROUPED_MIN_ASSIGNMENTS = MMQ_MAX_ASSIGNMENTS + 1
-GROUPED_MAX_ASSIGNMENTS = MMQ_MAX_ASSIGNMENTS
+# its assignments, integer dots). H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`python
+# bench/kernels_gpu.py --sweep-moe-grouped`, 2026-11-30): grouped / mmvq / mmq 154.7 / 202.8 /
+# 296.8 us at T = 16, 246.6 / 378.6 / 377.8 at T = 32, 366.4 / 717.9 / 422.2 at T = 64. Not
+# timed below T = 16 (mmvq keeps T <= 15: at T = 8 its assignments share few experts) nor above
+# T = 64 (mmq keeps them).
+GROUPED_MIN_ASSIGNMENTS = 128
+GROUPED_MAX_ASSIGNMENTS = 512
 # The "dequant" path writes every routed expert of the layer as bf16 at once (1.2 GB for
 # Qwen3-30B-A3B); a layer whose copies would exceed this takes the grouped Triton GEMM instead.
 DEQUANT_MAX_SCRATCH_BYTES = 4 << 30

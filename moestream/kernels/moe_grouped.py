@@ -26,7 +26,7 @@ A = T*k assignments, MB = BLOCK_M.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -67,7 +67,20 @@ class MoeGroupedConfig:
                 raise ValueError(f"MoeGroupedConfig.{name} must be 1, 2, 4 or 8")
 
 
-DEFAULT_CONFIG = MoeGroupedConfig()
+# H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`python bench/kernels_gpu.py --sweep-moe-grouped`,
+# 2026-11-30, bench/RESULTS.md), us at T = 16 / 32 / 64: 2 assignments a block 154.7 / 246.6 /
+# 406.5, 4 a block 188.5 / 258.8 / 366.4 (8 and 16 spill registers: 320-2143); 8 weight rows a
+# program against 4 or 16 (+6-45%). mmvq 202.8 / 378.6 / 717.9, mmq 296.8 / 377.8 / 422.2.
+DEFAULT_CONFIG = MoeGroupedConfig(block_m=2)
+
+
+def grouped_config(assignments: int, num_experts: int) -> MoeGroupedConfig:
+    """The launch shape for A assignments over E experts: DEFAULT_CONFIG, with 4 assignments a
+    block where they average more than 2.5 an expert (T > 40 tokens of 8 experts in 128).
+    Depends on (A, E) only, never on the routing."""
+    if assignments > 2.5 * num_experts:
+        return replace(DEFAULT_CONFIG, block_m=4)
+    return DEFAULT_CONFIG
 
 
 @triton.jit
@@ -191,12 +204,12 @@ def moe_grouped(
         raise ValueError("grouped: gate, up and down must be of MMVQ_QTYPES")
     if expert_slot is None:
         raise ValueError("grouped: needs expert_slot")
-    cfg = config or DEFAULT_CONFIG
     t, h = x.shape
     k = topk_ids.shape[1]
     f = gate.shape[1]
     a = t * k
     num_experts = expert_slot.shape[0]
+    cfg = config or grouped_config(a, num_experts)
     asm = use_asm(x.device)
     pdl = pdl_args(x.device)
     sorted_ids, block_expert = align_blocks(topk_ids, num_experts, cfg.block_m)

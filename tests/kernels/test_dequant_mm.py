@@ -222,20 +222,21 @@ def test_cached_values_give_the_same_products():
 
 def test_cached_stacks_take_the_grouped_gemm_from_129_pairs():
     """With bf16 (here float32) copies of all three stacks the grouped GEMM replaces mmvq/mmq
-    above 128 pairs; without them, or with one stack uncached, the thresholds are unchanged."""
+    above 128 pairs; without them, or with one stack uncached, the integer paths keep them."""
     from moestream.kernels.dequant_mm import cache_values
 
     gate, up = stack(T.Q4_K, (2, 256, 256), 1), stack(T.Q4_K, (2, 256, 256), 2)
     down = stack(T.Q6_K, (2, 256, 256), 3)
     x = torch.zeros(1, 256, device=DEVICE)
-    assert default_method(129, gate, up, down, x) == "mmq"
+    assert default_method(129, gate, up, down, x) == "grouped"
     cache_values(gate, torch.float32)
     cache_values(up, torch.float32)
-    assert default_method(129, gate, up, down, x) == "mmq"  # down still uncached
+    assert default_method(129, gate, up, down, x) == "grouped"  # down still uncached
     cache_values(down, torch.float32)
-    expect = "dequant" if grouped_mm_available(x.device) and DEVICE == "cpu" else "mmq"
+    expect = "dequant" if grouped_mm_available(x.device) and DEVICE == "cpu" else "grouped"
     assert default_method(129, gate, up, down, x) == expect
-    assert default_method(128, gate, up, down, x) == "mmvq"
+    assert default_method(128, gate, up, down, x) == "grouped"
+    assert default_method(127, gate, up, down, x) == "mmvq"
 
 
 def test_large_layers_skip_the_uncached_bf16_copies(monkeypatch):

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from moestream.kernels import moe as moe_module  # noqa: E402
 from moestream.kernels import moe_grouped as grouped_module  # noqa: E402
 from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
-from moestream.kernels.moe_grouped import MoeGroupedConfig, moe_grouped  # noqa: E402
+from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config, moe_grouped  # noqa: E402
 from moestream.kernels.moe_mmvq import moe_mmvq_ref  # noqa: E402
 from tests.kernels.test_moe_kernel import rel_err, routing, stacked  # noqa: E402
 from tests.kernels.test_quant_matmul import activations  # noqa: E402
@@ -97,6 +97,8 @@ def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch
     ]
     assert default_method(6, gate, gate, q2) != "grouped"
     monkeypatch.undo()
+    # two assignments a block up to 2.5 an expert on average, four above
+    assert [grouped_config(a, 128).block_m for a in (128, 256, 320, 321, 512)] == [2, 2, 2, 4, 4]
     with pytest.raises(ValueError, match="MMVQ_QTYPES"):
         moe_grouped(x, ids, weights, gate, gate, q2, slot, torch.empty_like(x))
     with pytest.raises(ValueError, match="expert_slot"):
