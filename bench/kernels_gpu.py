@@ -27,6 +27,7 @@ vocab 151936) and Qwen3-8B (hidden 4096, FFN 12288), weights in the Q4_K_M mix (
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import statistics
@@ -565,38 +566,33 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     print(f"least summed time: {best} {full[best]}")
 
 
-def sweep_moe_grouped(gen, copy_gbs: float) -> None:
+def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False) -> None:
     """The MoE "grouped" path (`moe_grouped`: each expert's weights read once per block of its
     assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
-    defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64. Prints every row, then
-    the fastest shape per T and the one with the least summed time."""
+    defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64; `small`: at T = 4, 8, 12
+    (where mmvq serves now) with 1-2 assignments a block, and the down kernel's shapes at
+    T = 16, 32 around the default. Prints every row, then the fastest shape per T and the one
+    with the least summed time."""
     from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config
 
     mix = (T.Q4_K, T.Q6_K)
-    configs = [grouped_config(t * TOPK, E) for t in (16, 32, 64)] + [
-        MoeGroupedConfig(
-            block_m=m,
-            up_block_n=n,
-            up_groups=g,
-            up_warps=w,
-            down_block_n=dn,
-            down_groups=dg,
-            down_warps=dw,
-        )
-        for m, n, g, w, dn, dg, dw in (
-            (2, 8, 8, 2, 8, 4, 1),
-            (8, 8, 8, 2, 8, 4, 1),
-            (16, 8, 8, 2, 8, 4, 1),
-            (4, 16, 8, 2, 16, 4, 1),
-            (4, 4, 8, 2, 4, 4, 1),
-            (2, 16, 8, 2, 16, 4, 1),
-            (8, 4, 8, 2, 4, 2, 1),
-            (4, 8, 4, 1, 8, 2, 1),
-        )
-    ]
+    fields = ("block_m", "up_block_n", "up_groups", "up_warps", "down_block_n", "down_groups")
+    shapes = (
+        (2, 8, 8, 2, 8, 4), (8, 8, 8, 2, 8, 4), (16, 8, 8, 2, 8, 4), (4, 16, 8, 2, 16, 4),
+        (4, 4, 8, 2, 4, 4), (2, 16, 8, 2, 16, 4), (8, 4, 8, 2, 4, 2), (4, 8, 4, 1, 8, 2),
+    )  # fmt: skip
+    ts: tuple[int, ...] = (16, 32, 64)
+    if small:
+        shapes = (
+            (1, 8, 8, 2, 8, 4), (2, 8, 8, 2, 8, 4), (1, 4, 8, 2, 4, 4), (2, 4, 8, 2, 4, 4),
+            (2, 8, 8, 2, 4, 4), (2, 8, 8, 2, 16, 4), (2, 8, 8, 2, 8, 2), (2, 8, 8, 2, 16, 2),
+        )  # fmt: skip
+        ts = (4, 8, 12, 16, 32)
+    configs = [grouped_config(t * TOPK, E) for t in ts if t >= 16]
+    configs += [MoeGroupedConfig(**dict(zip(fields, shape))) for shape in shapes]
     times: dict[MoeGroupedConfig, dict[int, float]] = {}
-    for t in (16, 32, 64):
-        for method in ("mmvq", "mmq"):
+    for t in ts:
+        for method in ("mmvq",) if t < 16 else ("mmvq", "mmq"):
             r = bench_moe(t, mix, torch.bfloat16, method, gen=gen)
             gbs = r.nbytes / r.us / 1e3
             print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
@@ -613,8 +609,8 @@ def sweep_moe_grouped(gen, copy_gbs: float) -> None:
                   f"  err {r.err:.1e}  grouped {cfg}{mark}", flush=True)  # fmt: skip
             times.setdefault(cfg, {})[t] = r.us
             torch.cuda.empty_cache()
-    full = {k: v for k, v in times.items() if len(v) == 3}
-    for t in (16, 32, 64):
+    full = {k: v for k, v in times.items() if len(v) == len(ts)}
+    for t in ts:
         best = min(full, key=lambda k: full[k][t])
         print(f"fastest at T={t}: {full[best][t]:.1f} us {best}")
     best = min(full, key=lambda k: sum(full[k].values()))
@@ -748,7 +744,12 @@ def main() -> int:
     parser.add_argument(
         "--sweep-moe-grouped",
         action="store_true",
-        help="time the MoE grouped launch shapes against mmvq and mmq, T=8..64",
+        help="time the MoE grouped launch shapes against mmvq and mmq, T=16..64",
+    )
+    parser.add_argument(
+        "--sweep-moe-grouped-small",
+        action="store_true",
+        help="the same at T=4..12 (mmvq's range) and the down kernel's shapes at T=16, 32",
     )
     parser.add_argument(
         "--sweep-moe-host",
@@ -776,6 +777,7 @@ def main() -> int:
         (args.sweep_moe, sweep_moe),
         (args.sweep_moe_mmq, sweep_moe_mmq),
         (args.sweep_moe_grouped, sweep_moe_grouped),
+        (args.sweep_moe_grouped_small, functools.partial(sweep_moe_grouped, small=True)),
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),

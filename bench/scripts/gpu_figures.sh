@@ -62,6 +62,8 @@
 #                                        (the noise floor) and the draft warmed up at load
 #   bench/scripts/gpu_figures.sh mmq     ncu of the MoE's batched-decode (mmq) kernels at 32
 #                                        tokens, 22% of copy bandwidth in the fourth session
+#   bench/scripts/gpu_figures.sh gsmall  the grouped MoE's shapes at 4-12 tokens and its down
+#                                        kernel's at 16 and 32
 #   bench/scripts/gpu_figures.sh fin6    the tiny pair's step phases (plain twice, draft, auto);
 #                                        30B-A3B figures
 #   bench/scripts/gpu_figures.sh grouped GPU tests of the draft model and the grouped MoE path;
@@ -72,7 +74,7 @@
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -461,6 +463,10 @@ PY
       echo "[30B concurrency, $arm rc=$?]"; grep "^| 16 \|^| 32 " /tmp/r/grp.log
       cp "/tmp/r/grp_$arm/result.json" "$out/grp_$arm.json" 2>/dev/null
     done
+    ;;
+  gsmall)  # the grouped MoE at 4-12 tokens (mmvq's range) and its down kernel's shapes
+    timeout 400 python3 bench/kernels_gpu.py --sweep-moe-grouped-small 2>&1 \
+      | tee "$out/sweep_moe_grouped_small.log" | grep -v "^  T=.*grouped" | tail -14
     ;;
   fin6)  # the tiny pair's step phases with the picker's re-timing; 30B figures, grouped MoE
     for kind in prose copy; do
