@@ -65,11 +65,11 @@ MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
 MMQ_MAX_ASSIGNMENTS = 1024
 # The "grouped" path's range of A (`moe_grouped`: each expert's weights read once per block of
 # its assignments, integer dots). H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`python
-# bench/kernels_gpu.py --sweep-moe-grouped`, 2026-11-30): grouped / mmvq / mmq 154.7 / 202.8 /
-# 296.8 us at T = 16, 246.6 / 378.6 / 377.8 at T = 32, 366.4 / 717.9 / 422.2 at T = 64. Not
-# timed below T = 16 (mmvq keeps T <= 15: at T = 8 its assignments share few experts) nor above
-# T = 64 (mmq keeps them).
-GROUPED_MIN_ASSIGNMENTS = 128
+# bench/kernels_gpu.py --sweep-moe-grouped` and `--sweep-moe-grouped-small`, 2026-11-30),
+# grouped / mmvq us: T = 4 61.0 / 62.9, T = 8 101.3 / 111.7, T = 12 131.6 / 159.9, T = 16
+# 154.7 / 202.8, T = 32 246.6 / 378.6 (mmq 377.8), T = 64 366.4 / 717.9 (mmq 422.2). mmvq keeps
+# T <= 7 (even at T = 4; one program per pair, no grouping launch), mmq T > 64 (not timed there).
+GROUPED_MIN_ASSIGNMENTS = 64
 GROUPED_MAX_ASSIGNMENTS = 512
 # The "dequant" path writes every routed expert of the layer as bf16 at once (1.2 GB for
 # Qwen3-30B-A3B); a layer whose copies would exceed this takes the grouped Triton GEMM instead.

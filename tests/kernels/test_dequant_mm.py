@@ -236,7 +236,7 @@ def test_cached_stacks_take_the_grouped_gemm_from_129_pairs():
     expect = "dequant" if grouped_mm_available(x.device) and DEVICE == "cpu" else "grouped"
     assert default_method(129, gate, up, down, x) == expect
     assert default_method(128, gate, up, down, x) == "grouped"
-    assert default_method(127, gate, up, down, x) == "mmvq"
+    assert default_method(63, gate, up, down, x) == "mmvq"
 
 
 def test_large_layers_skip_the_uncached_bf16_copies(monkeypatch):

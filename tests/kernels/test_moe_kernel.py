@@ -112,8 +112,8 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
               block_n=256, mmvq_cfg=tile)  # fmt: skip
     assert torch.equal(one[0], out[-1])
     assert default_method(t * k, gate, up, down) == "mmvq"
-    assert default_method(127, gate, up, down) == "mmvq"
-    assert default_method(128, gate, up, down) == "grouped"
+    assert default_method(63, gate, up, down) == "mmvq"
+    assert default_method(64, gate, up, down) == "grouped"
     assert default_method(512, gate, up, down) == "grouped"
     assert default_method(513, gate, up, down) == "mmq"
     assert default_method(1024, gate, up, down) == "mmq"
