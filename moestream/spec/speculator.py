@@ -448,7 +448,10 @@ class Speculator:
 
     def release_all(self) -> None:
         """Drop the state of every request (the engine has none unfinished); measurements
-        (costs, acceptance over all requests, counters) stay."""
+        (costs, acceptance over all requests, counters) stay, and so does the count of idle
+        rounds: the next requests get a round each, and then, with model arms alone (whose
+        price does not depend on the request), the skipping goes on where it was, as it does
+        for requests that arrive while others run (`draft`)."""
         ids = {*self._pending, *self.picker._requests, *self._shadows}
         for p in self.proposers.values():
             ids.update(p.request_ids())
@@ -456,7 +459,6 @@ class Speculator:
             self.release(rid)
         self._skip = self._round_size = self._idle_steps = 0
         self._idle_seconds = self._round_host = 0.0
-        self._idle_rounds = IDLE_AFTER - 1
         self.deferred = False
 
     def release(self, request_id: str) -> None:

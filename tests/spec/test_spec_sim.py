@@ -175,7 +175,8 @@ def test_a_priced_out_draft_model_is_not_asked_again_per_request(engine, clock):
     more than the simulated target's 0.2 ms step, so drafting never pays: each new request
     gets one round, but the skipped rounds keep their length from request to request (a
     model arm's price does not depend on the request). Before, the skips ramped up from one
-    again at every request: 37 rounds for these five requests, now 11."""
+    again at every request: 37 rounds for these five requests, now 11. Likewise after the
+    speculator was swapped out and back in."""
     from moestream.cli import DEMO_DRAFT
 
     prompts, truth = workload("fresh", n_req=6, n_out=N_OUT, seed=1)
@@ -194,6 +195,17 @@ def test_a_priced_out_draft_model_is_not_asked_again_per_request(engine, clock):
 
     spec.picker.choose = counted
     decode_time(engine, {"r0": prompts.pop("r0")}, truth)  # the first request sets the ramp
+    rounds = 0
+    decode_time(engine, {"r1": prompts.pop("r1")}, truth)
+    assert rounds < 4, rounds
+    # Swapped out and back in between requests (as a benchmark interleaving modes does), the
+    # speculator keeps its idle count: before, `release_all` restarted the ramp (8 rounds for
+    # a 128-token request)
+    engine.speculator = None
+    engine.speculator = spec
+    rounds = 0
+    decode_time(engine, {"r2": prompts.pop("r2")}, truth)
+    assert rounds < 4, rounds
     rounds = 0
     decode_time(engine, prompts, truth)
     assert rounds < 4 * len(prompts), rounds
