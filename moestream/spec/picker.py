@@ -200,6 +200,25 @@ class Picker:
         cost = self.draft_cost[arm]
         return cost.upper(num_requests) if len(cost) else self.target_cost.upper(num_requests)
 
+    def priced_out(self, num_requests: int) -> bool:
+        """Whether every model arm is timed (twice at batch 1: `_first_try`) and, for
+        `num_requests` requests each drafting k <= max_k tokens with the arm, could not beat
+        plain decode by `min_gain` even if every draft were accepted. Free arms are never
+        priced out (they cost no forward). Then what a proposal round can find does not depend
+        on the request: only the costs, which change slowly."""
+        b = num_requests
+        if not self.model_arms or b < 1 or len(self.model_arms) != len(self.arms):
+            return False
+        best_rate = b / self.plain_time(b) * (1.0 + self.min_gain)
+        for arm in self.model_arms:
+            if self.draft_cost[arm].count(1) < 2:
+                return False
+            forward = self.draft_time(arm, b)
+            for k in range(1, self.max_k + 1):
+                if b * (1 + k) / (self.target_cost.upper(b * (1 + k)) + k * forward) > best_rate:
+                    return False
+        return True
+
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
         self._tries.pop(request_id, None)

@@ -209,6 +209,27 @@ def test_a_draft_arm_is_timed_twice_before_its_price_holds():
     assert p.draft_time("draft", 1) == pytest.approx(0.01)
 
 
+def test_an_arm_is_priced_out_only_when_perfect_drafts_would_not_pay():
+    """`priced_out`: every arm a model arm, timed twice at batch 1, and no draft length that
+    would beat plain decode even if every draft were accepted."""
+
+    def picker(forward: float | None, arms=("draft",)) -> Picker:
+        p = Picker(arms, 4, model_arms=("draft",), explore_budget=0.01)
+        for n in range(1, 40):
+            p.record_step_time(n, dense(n))
+        for _ in range(2 if forward is not None else 0):
+            p.record_draft_time("draft", 1, 4, 4 * forward)
+        return p
+
+    assert picker(1.0).priced_out(1)  # a forward as dear as a target step
+    assert not picker(0.5).priced_out(1)  # k = 1: 2 tokens in 1.53 steps would pay
+    assert not picker(None).priced_out(1)  # not timed yet
+    assert not picker(1.0, ("ngram", "draft")).priced_out(1)  # a free arm may always pay
+    once = picker(None)
+    once.record_draft_time("draft", 1, 4, 4.0)
+    assert not once.priced_out(1)  # timed once: it may have been compiling
+
+
 # ---- measurements --------------------------------------------------------------------------
 def test_step_cost_bounds():
     c = StepCostModel(alpha=0.5)
