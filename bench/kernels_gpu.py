@@ -518,6 +518,15 @@ def sweep_moe(gen, copy_gbs: float) -> None:
     print(f"pick (fastest at T=1, T=8 no slower than before): {pick}")
 
 
+def moe_line(t: int, r: Row, copy_gbs: float, label: str) -> str:
+    """One timed MoE launch shape of a sweep: T, us, GB/s, % of copy bandwidth, error, label."""
+    gbs = r.nbytes / r.us / 1e3
+    return (
+        f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
+        f"  err {r.err:.1e}  {label}"
+    )
+
+
 def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     """The MoE "mmq" path (batched decode, 17-128 tokens) over launch shapes (`MmqConfig`:
     weight rows per program, warps, pipeline stages, register cap; BLOCK_M from the mean
@@ -549,13 +558,8 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
             except Exception as exc:  # a shape the compiler rejects: report, go on
                 print(f"  T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            gbs = r.nbytes / r.us / 1e3
             mark = " (default)" if cfg == base else ""
-            print(
-                f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
-                f"  err {r.err:.1e}  {name}{mark}",
-                flush=True,
-            )
+            print(moe_line(t, r, copy_gbs, name + mark), flush=True)
             times.setdefault(name, {})[t] = r.us
             torch.cuda.empty_cache()
     full = {k: v for k, v in times.items() if len(v) == 3}
@@ -594,19 +598,15 @@ def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False) -> None:
     for t in ts:
         for method in ("mmvq",) if t < 16 else ("mmvq", "mmq"):
             r = bench_moe(t, mix, torch.bfloat16, method, gen=gen)
-            gbs = r.nbytes / r.us / 1e3
-            print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
-                  f"  err {r.err:.1e}  {method} (default shape)", flush=True)  # fmt: skip
+            print(moe_line(t, r, copy_gbs, f"{method} (default shape)"), flush=True)
         for cfg in dict.fromkeys(configs):
             try:
                 r = bench_moe(t, mix, torch.bfloat16, gen=gen, grouped_cfg=cfg)
             except Exception as exc:  # a shape the compiler rejects: report, go on
                 print(f"  T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
-            gbs = r.nbytes / r.us / 1e3
             mark = " (default)" if cfg == grouped_config(t * TOPK, E) else ""
-            print(f"  T={t:3d} {r.us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%"
-                  f"  err {r.err:.1e}  grouped {cfg}{mark}", flush=True)  # fmt: skip
+            print(moe_line(t, r, copy_gbs, f"grouped {cfg}{mark}"), flush=True)
             times.setdefault(cfg, {})[t] = r.us
             torch.cuda.empty_cache()
     full = {k: v for k, v in times.items() if len(v) == len(ts)}

@@ -1,17 +1,20 @@
 """Fused MoE FFN over stacked quantized experts: one launch per stage for all experts of a layer.
 This file holds the dispatcher `fused_moe` (and `default_method`, which picks its path), the
 float "gemv" and "gemm" paths' kernels, `align_assignments` and `check_moe_args`; the other
-paths live in `moe_mmvq`, `moe_mmq` and `dequant_mm`.
+paths live in `moe_mmvq`, `moe_grouped`, `moe_mmq` and `dequant_mm`.
 
 out[t] = sum_j w[t, j] * down_s(silu(gate_s x[t]) * up_s x[t]),  s = expert_slot[topk_ids[t, j]]
 
 Expert weights are found through the device-side `expert_slot` table, so no host round trip is
-needed when the experts are in place. Five paths (`default_method` picks by A, types, device):
-- decode, integer dots ("mmvq", T*k <= MMVQ_DEFAULT_MAX_ASSIGNMENTS by default and at most
+needed when the experts are in place. Six paths (`default_method` picks by A, types, device):
+- decode, integer dots ("mmvq", below GROUPED_MIN_ASSIGNMENTS by default and at most
   MMVQ_MAX_ASSIGNMENTS, Q4_K/Q5_K/Q6_K/Q8_0; `kernels.moe_mmvq`): x rounded to q8 blocks, then
   gate/up per (assignment, 32 F rows, K split) with SiLU and h's q8 rounding fused, then down
   per (token, block of H rows) over the token's k experts: three launches, a token's bits
   independent of the batch. Launch variants in `moe_mmvq.MoeMmvqConfig`.
+- batched decode, integer dots over tokens grouped by expert ("grouped", GROUPED_MIN_ASSIGNMENTS
+  to GROUPED_MAX_ASSIGNMENTS, same types; `kernels.moe_grouped`): each expert's weights read
+  once per block of 2-4 of its assignments, each weight word dotted with the block's rows.
 - batched decode, int8 tensor cores ("mmq", up to MMQ_MAX_ASSIGNMENTS, same types;
   `kernels.moe_mmq`): assignments grouped by expert, weights unpacked to int8 and
   multiplied with q8 activations by `tl.dot` per sub-block of 32, block scales in float32.
@@ -190,8 +193,9 @@ def default_method(
     x: torch.Tensor | None = None,
     num_experts: int | None = None,
 ) -> str:
-    """The path for A assignments: where all three types are MMVQ_QTYPES, integer-dot "mmvq" up
-    to MMVQ_DEFAULT_MAX_ASSIGNMENTS and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
+    """The path for A assignments: where all three types are MMVQ_QTYPES, integer-dot "grouped"
+    from GROUPED_MIN_ASSIGNMENTS to GROUPED_MAX_ASSIGNMENTS, "mmvq" below it (up to
+    MMVQ_DEFAULT_MAX_ASSIGNMENTS) and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
     the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant" (bf16 weights and torch's
     grouped GEMM) where `dequant_mm.grouped_mm_available` for x (bfloat16 on CUDA) and the
     layer's bf16 copies (`num_experts` experts, default the stacks' slots) fit
