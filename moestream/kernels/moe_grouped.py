@@ -36,6 +36,7 @@ from gguf import GGMLQuantizationType
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, quantize_q8, tree_sum, use_asm
 from moestream.kernels.mmvq_once import _once_step
 from moestream.kernels.moe_align import align_blocks
+from moestream.kernels.moe_mmvq import check_xa
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
@@ -216,6 +217,8 @@ def moe_grouped(
     num_blocks = block_expert.shape[0]
     if xa is None:
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
+    else:
+        check_xa(xa, x)
     hidden = torch.empty((a, f), dtype=torch.float32, device=x.device)  # [A, F]
     up_groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
     _gate_up_grouped_kernel[(num_blocks, f // cfg.up_block_n)](

@@ -473,6 +473,21 @@ def _divisor_at_most(n: int, most: int) -> int:
     return max(c for c in range(1, min(n, most) + 1) if n % c == 0)
 
 
+def check_xa(xa: Q8Act, x: torch.Tensor) -> None:
+    """That `xa` can stand for x [T, H] in the MoE kernels: its q8 blocks' shapes, the d and s
+    row strides they share, unit last strides, x's device."""
+    t, h = x.shape
+    if (
+        xa.rows != t
+        or xa.k != h
+        or xa.d.shape != (t, h // 32)
+        or xa.s.shape != xa.d.shape
+        or xa.s.stride(0) != xa.d.stride(0)
+        or any(v.stride(-1) != 1 or v.device != x.device for v in xa)
+    ):
+        raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
+
+
 def fused_moe_mmvq(
     x: torch.Tensor,
     xa: Q8Act | None,
@@ -498,15 +513,8 @@ def fused_moe_mmvq(
     a = t * k
     if xa is None:
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
-    elif (
-        xa.rows != t
-        or xa.k != h
-        or xa.d.shape != (t, h // 32)
-        or xa.s.shape != xa.d.shape
-        or xa.s.stride(0) != xa.d.stride(0)
-        or any(v.stride(-1) != 1 or v.device != x.device for v in xa)
-    ):
-        raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
+    else:
+        check_xa(xa, x)
     hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
     hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
     hs = torch.empty_like(hd)

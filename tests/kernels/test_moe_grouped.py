@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from moestream.kernels import moe as moe_module  # noqa: E402
 from moestream.kernels import moe_grouped as grouped_module  # noqa: E402
+from moestream.kernels.mmvq import quantize_q8  # noqa: E402
 from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
 from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config, moe_grouped  # noqa: E402
 from moestream.kernels.moe_mmvq import moe_mmvq_ref  # noqa: E402
@@ -103,6 +104,9 @@ def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch
         moe_grouped(x, ids, weights, gate, gate, q2, slot, torch.empty_like(x))
     with pytest.raises(ValueError, match="expert_slot"):
         moe_grouped(x, ids, weights, gate, gate, gate, None, torch.empty_like(x))
+    with pytest.raises(ValueError, match="q8 blocks"):  # the caller's q8 of another x
+        moe_grouped(x, ids, weights, gate, gate, gate, slot, torch.empty_like(x),
+                    xa=quantize_q8(x[:2]))  # fmt: skip
     for bad in (dict(block_m=3), dict(block_m=32), dict(up_warps=3)):
         with pytest.raises(ValueError, match="MoeGroupedConfig"):
             MoeGroupedConfig(**bad)
