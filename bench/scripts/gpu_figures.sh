@@ -64,6 +64,7 @@
 #                                        tokens, 22% of copy bandwidth in the fourth session
 #   bench/scripts/gpu_figures.sh q30c    30B-A3B figures (fin6's bench run alone)
 #   bench/scripts/gpu_figures.sh phases  the tiny pair's step phases (fin6's first half)
+#   bench/scripts/gpu_figures.sh gtest   GPU tests of the grouped MoE and the picker; phases
 #   bench/scripts/gpu_figures.sh gsmall  the grouped MoE's shapes at 4-12 tokens and its down
 #                                        kernel's at 16 and 32
 #   bench/scripts/gpu_figures.sh fin6    the tiny pair's step phases (plain twice, draft, auto);
@@ -76,7 +77,7 @@
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -479,6 +480,11 @@ PY
     bench q30 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
       --concurrency-prompt 128
+    ;;
+  gtest)  # GPU tests of the grouped MoE and the MoE path choice; then `phases`
+    timeout 100 python3 -m pytest tests/kernels/test_moe_grouped.py tests/spec/test_picker.py \
+      -q -p no:cacheprovider 2>&1 | tail -2
+    bash "$0" phases
     ;;
   phases)  # the tiny pair's step phases alone (fin6's first half), 6 rounds
     for kind in prose copy; do
