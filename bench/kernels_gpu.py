@@ -248,8 +248,12 @@ def bench_moe(
         calls.append((ids, weights, slot, out))
         used.append(torch.unique(ids).numel())
     ids, weights, slot, out = calls[0]
-    path = "mmq" if mmq_cfg is not None else "grouped" if grouped_cfg is not None else None
-    path = path or method or default_method(t * TOPK, gate, up, down, x)
+    if mmq_cfg is not None:
+        path = "mmq"
+    elif grouped_cfg is not None:
+        path = "grouped"
+    else:
+        path = method or default_method(t * TOPK, gate, up, down, x)
     run(calls[0])
     ref = moe_mmvq_ref if path in ("mmvq", "mmq", "grouped") else ops.moe_forward_ref
     err = rel_err(out, ref(x.float(), ids, weights, gate, up, down, slot))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
 
 from moestream.kernels.mmvq import (
     Q4_K,
@@ -225,11 +226,23 @@ def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stri
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(mm < M) & (nn < N))
 
 
+def runs_per_group(*qtypes: GGMLQuantizationType) -> int:
+    """Runs of 8 words in a group of 256 values of the "once" step (Q8_0: 8 blocks, else 4);
+    for several types stepped together, the fewest."""
+    return min(8 if q == GGMLQuantizationType.Q8_0 else 4 for q in qtypes)
+
+
+def capped_warps(warps: int, sub: int, groups: int) -> int:
+    """Warps of a launch of the "once" step: `warps`, but at most runs per step / 16 (sub runs
+    per group, `groups` groups a step), so that each lane holds 4 words of a run (16-byte loads;
+    the activation and weight tiles then share one layout at any M, no layout conversion
+    between the loads in the sm_90 build)."""
+    return max(1, min(warps, sub * groups // 16))
+
+
 def once_warps(cfg: MmvqConfig, sub: int) -> int:
-    """Warps of a "once" launch: at most runs per step / 16 (sub runs per group), so that each
-    lane holds 4 words of a run (16-byte loads; the activation and weight tiles then share one
-    layout at any M, no layout conversion between the loads in the sm_90 build)."""
-    return max(1, min(cfg.num_warps, sub * cfg.groups // 16))
+    """Warps of a dense "once" launch (`capped_warps` of cfg's warps and groups)."""
+    return capped_warps(cfg.num_warps, sub, cfg.groups)
 
 
 def launch_mmvq_once(

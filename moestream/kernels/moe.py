@@ -63,7 +63,9 @@ MMVQ_MAX_ASSIGNMENTS = 256
 # (bench/mmq_gpu.py, bench/kernels_gpu.py): mmvq / mmq / dequantize + grouped GEMM at T=8
 # 172 / 251 / - us, T=16 316 / 333 / -, T=32 597 / 459 / 990, T=64 1145 / 517 / 1088,
 # T=512 - / - / 1213. mmq was not timed above T=64: its limit of A=1024 (T=128) is an estimate
-# (it grew 459 -> 517 us from T=32 to 64, with every expert already read).
+# (it grew 459 -> 517 us from T=32 to 64, with every expert already read). Since the grouped
+# path (below) took 64-512 pairs, MMVQ_DEFAULT_MAX_ASSIGNMENTS bounds mmvq only where that range
+# is set empty; it is still where cached bf16 copies take over (`default_method`).
 MMVQ_DEFAULT_MAX_ASSIGNMENTS = 128
 MMQ_MAX_ASSIGNMENTS = 1024
 # The "grouped" path's range of A (`moe_grouped`: each expert's weights read once per block of

@@ -31,10 +31,9 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from gguf import GGMLQuantizationType
 
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, quantize_q8, tree_sum, use_asm
-from moestream.kernels.mmvq_once import _once_step
+from moestream.kernels.mmvq_once import _once_step, capped_warps, runs_per_group
 from moestream.kernels.moe_align import align_blocks
 from moestream.kernels.moe_mmvq import check_xa
 from moestream.kernels.pdl import pdl_args, pdl_start
@@ -46,7 +45,7 @@ class MoeGroupedConfig:
     """Launch shape: `block_m` assignments of one expert per block (1-16, a power of two);
     gate/up: `up_block_n` F rows per program, `up_groups` groups of 256 per K step,
     `up_warps`; down: `down_block_n` H rows, `down_groups`, `down_warps`. Warps are capped so
-    that each lane holds 4 words of a run (`mmvq_once.once_warps`)."""
+    that each lane holds 4 words of a run (`mmvq_once.capped_warps`)."""
 
     block_m: int = 4
     up_block_n: int = 8
@@ -180,12 +179,6 @@ def _down_grouped_kernel(
         tl.store(y_ptr + ac[:, None] * H + n, y, mask=valid[:, None] & (n < H))
 
 
-def _warps(warps: int, qtypes, groups: int) -> int:
-    """At most runs per step / 16 (each lane 4 words of a run: `mmvq_once.once_warps`)."""
-    sub = min(8 if q == GGMLQuantizationType.Q8_0 else 4 for q in qtypes)
-    return max(1, min(warps, sub * groups // 16))
-
-
 def moe_grouped(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -227,7 +220,8 @@ def moe_grouped(
         gate.data.stride(1), up.data.stride(0), up.data.stride(1),
         F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, G=up_groups,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm,
-        num_warps=_warps(cfg.up_warps, (gate.qtype, up.qtype), up_groups), **pdl,
+        num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), up_groups),
+        **pdl,
     )  # fmt: skip
     ha = quantize_q8(hidden)  # [A, F] -> q8 blocks
     y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
@@ -237,7 +231,7 @@ def moe_grouped(
         a, num_experts, h, down.data.stride(0), down.data.stride(1),
         QD=int(down.qtype), F=f, G=down_groups, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.down_block_n, ASM=asm,
-        num_warps=_warps(cfg.down_warps, (down.qtype,), down_groups), **pdl,
+        num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype), down_groups), **pdl,
     )  # fmt: skip
     out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order
     return out

@@ -40,7 +40,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
-from moestream.kernels.mmvq_once import _once_step
+from moestream.kernels.mmvq_once import _once_step, capped_warps, runs_per_group
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
@@ -61,7 +61,7 @@ class MoeMmvqConfig:
     invariant; the unfused gate/up always takes trees, the "rows" tile always plain sums).
     `up_once`: gate/up by `_gate_up_once_kernel` instead (activations loaded once per K step
     and shared by `up_block_n` gate and as many up rows, the dense "once" kernel's step;
-    `up_groups` groups per step, `up_warps` capped as `mmvq_once.once_warps` caps them;
+    `up_groups` groups per step, `up_warps` capped by `mmvq_once.capped_warps`;
     `up_split` and `up_fused` unused)."""
 
     # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`bench/kernels_gpu.py --sweep-moe`, 2026-11-30,
@@ -531,13 +531,13 @@ def fused_moe_mmvq(
             hf = torch.empty((a, f), dtype=torch.float32, device=x.device)
             count = _arrivals(counters, a, f, x.device)
         groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
-        sub = min(8 if q == GGMLQuantizationType.Q8_0 else 4 for q in (gate.qtype, up.qtype))
         _gate_up_once_kernel[(a, f // block_n)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, G=groups,
             BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
-            num_warps=max(1, min(cfg.up_warps, sub * groups // 16)), **pdl_args(out.device),
+            num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
+            **pdl_args(out.device),
         )  # fmt: skip
     else:
         split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups

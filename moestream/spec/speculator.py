@@ -279,7 +279,7 @@ class Speculator:
         self._priced_out = False
         if self.config.always or self.config.idle_budget <= 0 or self._idle_rounds <= IDLE_AFTER:
             return
-        if not self._free and self.picker.priced_out(len(inputs)):
+        if self.picker.priced_out(len(inputs)):  # never with a free arm
             self._priced_out = True
             self._skip = IDLE_PRICED_OUT_SKIP
             return
