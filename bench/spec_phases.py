@@ -4,7 +4,7 @@ proposing), the modes interleaved over rounds in one process, with garbage-colle
 and run-ahead hits.
 
     python bench/spec_phases.py [--device cuda] [--rounds 6] [--tokens 128] [--kind copy]
-                                [--modes plain,plain#2,ngram,draft,auto]
+                                [--modes plain,plain#2,ngram,draft,auto] [--temperature 1.0]
 
 A mode named twice with a suffix (`plain#2`) runs as a second arm of its own: how far two
 identical arms differ is the noise floor of every other ratio.
@@ -109,6 +109,13 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--modes", default="plain,ngram,draft,auto")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (seed = prompt index) instead of greedy: output with "
+        "little to copy, where n-gram drafts are rarely there",
+    )
     p.add_argument("--freeze", action="store_true", help="gc.freeze() after the warm-up round")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -140,7 +147,7 @@ def main() -> int:
             hits = engine.runner.run_ahead_hits
             arms = arm_counts(specs[m])
             clock.reset()
-            res = decode_run(engine, prompts, args.tokens + 1)
+            res = decode_run(engine, prompts, args.tokens + 1, args.temperature)
             engine.speculator = None
             steps = max(1, clock.steps)
             row = {f"{k}_us": v / steps * 1e6 for k, v in clock.seconds.items()}
@@ -164,8 +171,10 @@ def main() -> int:
                 rows[m].append(row)
     cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us", "ahead", "gc",
             "gc_ms", "verify_steps"]  # fmt: skip
-    print(f"{args.kind} prompts, {args.prompts} x {args.tokens} tokens, {args.rounds} rounds "
-          f"(medians; tok_s min-max){' gc frozen' if args.freeze else ''}")  # fmt: skip
+    sampled = f", temperature {args.temperature}" if args.temperature > 0 else ""
+    frozen = " gc frozen" if args.freeze else ""
+    print(f"{args.kind} prompts{sampled}, {args.prompts} x {args.tokens} tokens, "
+          f"{args.rounds} rounds (medians; tok_s min-max){frozen}")  # fmt: skip
     print("| mode | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for m, rs in rows.items():

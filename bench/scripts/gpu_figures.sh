@@ -72,12 +72,14 @@
 #   bench/scripts/gpu_figures.sh grouped GPU tests of the draft model and the grouped MoE path;
 #                                        its launch shapes against mmvq and mmq (T = 16-64);
 #                                        30B-A3B at 16 and 32 requests with it and without
+#   bench/scripts/gpu_figures.sh s7a     30B-A3B batch-1 decode profile; the tiny pair's step
+#                                        phases (prose, copy, and prose sampled at temperature 1)
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -497,6 +499,16 @@ PY
     bench q30 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
       --concurrency-prompt 128
+    ;;
+  s7a)  # the 30B's batch-1 decode profile; the tiny pair's step phases, also sampled at T=1
+    synth qwen3-30b-a3b q30
+    profile_b 1
+    for kind in prose copy; do
+      timeout 130 python3 bench/spec_phases.py --kind $kind --rounds 6 \
+        --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_$kind.txt"
+    done
+    timeout 130 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
+      --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -90,16 +90,24 @@ def prompts_of(kind: str, n: int | None = None) -> list[str]:
     raise ValueError(f"unknown prompt kind {kind!r} (known: {', '.join(KINDS)})")
 
 
-def decode_run(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
-    """Each prompt alone through `engine` (greedy, `max_tokens`): decode seconds (first token
-    to last, summed), tokens after the first, outputs, and what the speculator counted
-    (`SpecCounts` of this run, None when the engine does not speculate)."""
+def decode_run(
+    engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0
+) -> dict[str, Any]:
+    """Each prompt alone through `engine` (greedy, or sampled at `temperature` with seed i for
+    prompt i; `max_tokens`): decode seconds (first token to last, summed), tokens after the
+    first, outputs, and what the speculator counted (`SpecCounts` of this run, None when the
+    engine does not speculate)."""
     from moestream.types import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = _counters(engine)
     seconds, tokens, outputs = 0.0, 0, []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=i if temperature > 0 else None,
+        )
         rid = engine.add_request(list(ids), params)
         out: list[int] = []
         start = None
