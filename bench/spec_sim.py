@@ -4,6 +4,7 @@ continuations and spends a small GPU model's device time in real time, run-ahead
 
     python bench/spec_sim.py [--kinds copy,rewrite,fresh,adversarial,partial] [--rounds 5]
                              [--tokens 128] [--requests 3] [--concurrent] [--modes ...]
+                             [--temperature 1.0]
                              [--decode-us 190] [--verify-us 280] [--row-us 10] [--launch-us 5]
                              [--clock wall|cpu]
 
@@ -55,13 +56,15 @@ MODES = {
 }
 
 
-def one_run(engine: Any, prompts: dict, truth: dict, tokens: int, concurrent: bool) -> dict:
+def one_run(
+    engine: Any, prompts: dict, truth: dict, tokens: int, concurrent: bool, temperature: float
+) -> dict:
     runner, spec = engine.runner, engine.speculator
     steps, wait, dropped = runner.num_steps, runner.wait_cpu_seconds, runner.num_dropped
     before = spec.stats.total if spec else None
     plain_before = spec.stats.num_plain_steps if spec else 0
     cpu = time.thread_time()
-    out, seconds = run_workload(engine, prompts, tokens, concurrent)
+    out, seconds = run_workload(engine, prompts, tokens, concurrent, temperature=temperature)
     cpu = time.thread_time() - cpu
     if out != truth:
         raise AssertionError("the output differs from the continuations")
@@ -94,6 +97,13 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--concurrent", action="store_true", help="requests at once, not one by one")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests' temperature: > 0 makes them sampled to the engine and the "
+        "speculator (the simulated runner still answers with the continuations)",
+    )
     d = DeviceTimes()
     p.add_argument("--decode-us", type=float, default=d.decode * 1e6, help="a decode step")
     p.add_argument("--verify-us", type=float, default=d.verify * 1e6, help="a 2-row verify")
@@ -134,13 +144,14 @@ def run(args: argparse.Namespace, clock: WallClock) -> int:
             want = {rid: truth[rid] for rid in prompts}
             for m in order:
                 engine.speculator = specs[m]
-                row = one_run(engine, prompts, want, args.tokens, args.concurrent)
+                row = one_run(engine, prompts, want, args.tokens, args.concurrent, args.temperature)
                 engine.speculator = None
                 if r:
                     rows[k, m].append(row)
     how = "at once" if args.concurrent else "one at a time"
-    print(f"{args.requests} requests {how} x {args.tokens} tokens, {args.rounds} rounds (medians); "
-          f"{times}")  # fmt: skip
+    sampled = f", temperature {args.temperature}" if args.temperature > 0 else ""
+    print(f"{args.requests} requests {how} x {args.tokens} tokens{sampled}, {args.rounds} rounds "
+          f"(medians); {times}")  # fmt: skip
     cols = ["tok_s", "ratio", "host_us", "extra_us", "drafted", "tau", "explore", "dropped"]
     print("| kind | mode | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 2) + "|")

@@ -74,12 +74,14 @@
 #                                        30B-A3B at 16 and 32 requests with it and without
 #   bench/scripts/gpu_figures.sh s7a     30B-A3B batch-1 decode profile; the tiny pair's step
 #                                        phases (prose, copy, and prose sampled at temperature 1)
+#   bench/scripts/gpu_figures.sh s7b     30B-A3B sampled decode with run-ahead of greedy steps only
+#                                        and of sampled ones too; tiny-pair step phases
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -509,6 +511,26 @@ PY
     done
     timeout 130 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
       --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    ;;
+  s7b)  # sampled decode (temperature 1): the 30B with run-ahead for greedy steps only (old)
+    # and for sampled ones too (new), interleaved; the tiny pair's step phases, sampled and not
+    synth qwen3-30b-a3b q30
+    old='import moestream.runner.model_runner as m; from moestream.sampling import argmax_only; '
+    old+='m.ModelRunner._aheadable = lambda self, reqs: self.logits_processor is None and '
+    old+='all(argmax_only(s.sampling_params) for s in reqs); '
+    for arm in old new new old; do
+      pre=""; [[ $arm == old ]] && pre=$old
+      timeout 110 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 128 --decode-depths 0 \
+        --decode-tokens 48 --repeats 3 --concurrency 1,16 --concurrency-prompt 128 \
+        --temperature 1.0 --out "/tmp/r/t1_$arm" > /tmp/r/t1.log 2>&1
+      echo "[30B sampled, $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 16 " /tmp/r/t1.log
+      cp "/tmp/r/t1_$arm/result.json" "$out/t1_${arm}_$RANDOM.json" 2>/dev/null
+    done
+    timeout 130 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
+      --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    timeout 100 python3 bench/spec_phases.py --kind prose --rounds 4 \
+      --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_prose.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -159,6 +159,13 @@ def add_bench_parser(
         metavar="TAUS",
         help="mean accepted lengths for the implied speedup tau / cost(k) (default 2,3,4)",
     )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of the decode and concurrency runs (default 0: greedy); "
+        "above 0 each request samples with a seed of its own",
+    )
     g.add_argument("--repeats", type=int, default=3, help="measured runs per row")
     g.add_argument("--warmup", type=int, default=1, help="discarded runs per row")
     g.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
@@ -290,6 +297,7 @@ def _run_single(args: argparse.Namespace) -> dict[str, Any]:
         verify_ks=tuple(args.verify_curve),
         verify_batches=tuple(args.verify_batches),
         verify_tau=tuple(args.verify_tau),
+        temperature=args.temperature,
     )
     measured = None
     if config.copy_bandwidth_gbps is None:

@@ -10,7 +10,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from moestream.bench.machine import synchronize
-from moestream.types import SamplingParams
 
 if TYPE_CHECKING:  # runner.py lists this section among its own
     from moestream.bench.runner import BenchContext, Metric
@@ -35,16 +34,16 @@ class ConcurrencySection:
         return {"prompt_tokens": ctx.config.concurrency_prompt, "rows": rows} if rows else None
 
     def _row(self, ctx: BenchContext, c: int) -> dict[str, Any]:
-        from moestream.bench.runner import _power_summary, stats
+        from moestream.bench.runner import _power_summary, decode_params, stats
 
         k = ctx.config.decode_tokens
-        params = SamplingParams(temperature=0.0, max_tokens=k + 1, ignore_eos=True)
         engine = ctx.llm.engine
 
         def measure(run: int) -> dict[str, Any]:
             ids = [
                 engine.add_request(ctx.random_prompt(_SECTION_ID, ctx.config.concurrency_prompt,
-                                                     run * 1000 + i), params)
+                                                     run * 1000 + i),
+                                   decode_params(ctx.config, k + 1, run * 1000 + i))
                 for i in range(c)
             ]  # fmt: skip
             pending, done = set(ids), set()

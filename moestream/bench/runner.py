@@ -86,6 +86,9 @@ class BenchConfig:
     verify_ks: tuple[int, ...] = ()  # tokens per request of the verify-cost curve (empty: off)
     verify_batches: tuple[int, ...] = (1, 4, 16)  # requests per verify step
     verify_tau: tuple[float, ...] = (2.0, 3.0, 4.0)  # tau values for the implied speedup
+    # Sampling temperature of the decode and concurrency runs: 0 greedy; above, each request
+    # samples with a seed of its own (`decode_params`)
+    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -108,6 +111,8 @@ class BenchConfig:
             raise RequestError("--verify-curve ks and --verify-batches must be >= 1")
         if any(not t >= 1 for t in self.verify_tau):
             raise RequestError(f"--verify-tau values must be >= 1, got {list(self.verify_tau)}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise RequestError(f"--temperature must be finite and >= 0, got {self.temperature}")
         if self.copy_bandwidth_gbps is not None and self.copy_bandwidth_gbps <= 0:
             raise RequestError(f"--copy-bandwidth must be positive, got {self.copy_bandwidth_gbps}")
 
@@ -293,6 +298,18 @@ class PrefillSection:
         return head, rows
 
 
+def decode_params(config: BenchConfig, max_tokens: int, seed: int) -> SamplingParams:
+    """A timed decode request's parameters: `max_tokens` tokens, no early end; greedy, or
+    sampled at `config.temperature` with `seed` (the same draws on every engine)."""
+    sampled = config.temperature > 0
+    return SamplingParams(
+        temperature=config.temperature,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        seed=seed if sampled else None,
+    )
+
+
 class DecodeSection:
     name = "decode"
 
@@ -312,13 +329,12 @@ class DecodeSection:
 
     def _row(self, ctx: BenchContext, depth: int) -> dict[str, Any]:
         k = ctx.config.decode_tokens
-        # One token more than measured: the first comes out of the (untimed) prefill step.
-        params = SamplingParams(temperature=0.0, max_tokens=k + 1, ignore_eos=True)
 
         def measure(run: int) -> dict[str, Any]:
             ids = ctx.random_prompt(1, max(depth, 1), run)
             ctx.reset_peak()
-            stream = ctx.llm.stream(ids, params)
+            # One token more than measured: the first comes out of the (untimed) prefill step.
+            stream = ctx.llm.stream(ids, decode_params(ctx.config, k + 1, run))
             first = next(stream)
             n_first = len(first.new_token_ids)
             synchronize(ctx.device)

@@ -197,10 +197,10 @@ class SimulatedRunner:
         sampled = {s.request_id: self._sample(s) for s in reqs if s.sample}
         graph = self._graph(reqs)
         self.last_step_graph = graph
-        greedy = self.logits_processor is None and all(
-            s.sampling_params.temperature == 0 for s in reqs
+        aheadable = self.logits_processor is None and all(  # as `ModelRunner._aheadable`
+            s.sampling_params.logprobs is None for s in reqs
         )
-        if graph is not None and graph[1] == 1 and (self.run_ahead or ahead) and greedy:
+        if graph is not None and graph[1] == 1 and (self.run_ahead or ahead) and aheadable:
             if (
                 ahead is not None
                 and ahead.request_ids == [s.request_id for s in reqs]
@@ -294,15 +294,18 @@ def run_workload(
     n_out: int,
     concurrent: bool = False,
     on_step: Callable[[], None] | None = None,
+    temperature: float = 0.0,
 ) -> tuple[dict[str, list[int]], float]:
-    """Greedy `n_out` tokens per prompt through `engine` (its runner a `SimulatedRunner`):
-    one request at a time, or all at once. (outputs by id, seconds from each request's first
-    token to its last, summed, on the runner's clock)."""
+    """`n_out` tokens per prompt through `engine` (its runner a `SimulatedRunner`): one
+    request at a time, or all at once. (outputs by id, seconds from each request's first
+    token to its last, summed, on the runner's clock). The runner answers with the
+    continuations whatever the parameters; `temperature` > 0 makes the engine and the
+    speculator treat the requests as sampled (no shadow drafts, verification by rejection)."""
     from moestream.types import SamplingParams
 
     clock = engine.runner.clock
 
-    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=n_out, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
     batches = [list(prompts)] if concurrent else [[rid] for rid in prompts]
     seconds = 0.0

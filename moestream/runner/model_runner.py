@@ -31,7 +31,7 @@ from moestream.models.base import CausalLM
 from moestream.runner.cuda_graph import decode_graphs_for
 from moestream.runner.inputs import StepInputs, build_step_inputs
 from moestream.runner.prefill_graph import prefill_graphs_for
-from moestream.sampling.sampler import Sampler, SamplingBatch, argmax_only
+from moestream.sampling.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_only
 from moestream.spec.verify import verify_drafts
 from moestream.types import ScheduledRequest, StepPlan
 
@@ -212,7 +212,7 @@ class ModelRunner:
         graph = self._graph_step(reqs)
         if graph is not None and self.graphs is not None:
             self.last_step_graph = graph
-            if graph[1] == 1 and (self.run_ahead or ahead is not None) and self._greedy(reqs):
+            if graph[1] == 1 and (self.run_ahead or ahead is not None) and self._aheadable(reqs):
                 return self._decode_ahead(reqs, ahead)
             tokens = [s.token_ids[0] for s in reqs]
             starts = [s.start_pos for s in reqs]
@@ -238,25 +238,33 @@ class ModelRunner:
         return self.sample(logits, batch.sampled)
 
     # ---- run-ahead ---------------------------------------------------------------------
-    # A greedy decode step's tokens are known on the device before the host reads them, and the
-    # next step's positions, slots and tables before the host plans it. So after queueing step
-    # n's argmax and its read-back, the runner queues step n + 1 as well, fed by that argmax on
-    # the device, and only then waits for step n's tokens: the host commits, plans and
-    # detokenizes while the device runs step n + 1, instead of the device waiting for the host.
+    # A decode step's tokens are known on the device before the host reads them (the argmax, or
+    # the sampler's draw: no host synchronisation), and the next step's positions, slots and
+    # tables before the host plans it. So after queueing step n's sampling and its read-back,
+    # the runner queues step n + 1's forward as well, fed by those tokens on the device, and
+    # only then waits for step n's tokens: the host commits, plans and detokenizes while the
+    # device runs step n + 1, instead of the device waiting for the host. Only the forward runs
+    # ahead: step n + 1 is sampled when it is executed, from the parameters and histories its
+    # plan then gives, so a seeded request draws what it would have drawn without run-ahead,
+    # and a dropped step consumed no draw.
     # When the plan for n + 1 is the step that was queued (same requests, tokens and slots), its
     # logits are used; otherwise they are dropped and the planned step runs. A dropped step
     # only wrote K/V at positions past what its requests have committed, in their own
     # unshared last blocks: the step that feeds those positions rewrites them before anything
     # reads them (or the blocks were freed, and their next owner writes before it reads).
 
-    def _greedy(self, reqs: list[ScheduledRequest]) -> bool:
-        """Whether every row's token is its argmax, which nothing changes: a decode step of
-        such rows may be queued ahead, and a queued one used."""
-        return self.logits_processor is None and all(argmax_only(s.sampling_params) for s in reqs)
+    def _aheadable(self, reqs: list[ScheduledRequest]) -> bool:
+        """Whether a decode step of `reqs` may be queued ahead, and a queued one used: each
+        row's token comes from the device alone (no logits processor, which works on the
+        host) and the step reads nothing else back (no logprobs: reading them would wait for
+        the step queued behind)."""
+        return self.logits_processor is None and all(
+            s.sampling_params.logprobs is None for s in reqs
+        )
 
     def _decode_ahead(self, reqs: list[ScheduledRequest], ahead: RunAhead | None) -> RunnerOutput:
-        """A graph decode step of greedy requests, using `ahead` when it is this step, and
-        (with `run_ahead`) queueing the next step before reading this one's tokens."""
+        """A graph decode step of `_aheadable` requests, using `ahead` when it is this step,
+        and (with `run_ahead`) queueing the next step before reading this one's tokens."""
         graphs = self.graphs
         assert graphs is not None
         if ahead is not None and ahead.matches(reqs, self.block_size):
@@ -266,7 +274,7 @@ class ModelRunner:
             tokens = [s.token_ids[0] for s in reqs]
             starts = [s.start_pos for s in reqs]
             logits = graphs.run_decode(tokens, starts, [s.block_ids for s in reqs])  # [B, V]
-        token_ids = self.sampler.argmax(logits)  # [B] on the device
+        token_ids = self._draw(logits, reqs).token_ids  # [B] on the device
         self.reader.start(token_ids)
         self._ahead = self._launch_next(reqs, token_ids) if self.run_ahead else None
         sampled = self.reader.finish()
@@ -301,22 +309,26 @@ class ModelRunner:
             [len(s.output_token_ids) for s in reqs],
         )
 
-    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> RunnerOutput:
-        """One token per row of `logits` [B, V] for `reqs` (in order), with logprobs if asked.
+    def _draw(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> SamplerOutput:
+        """Each row's token on the device (no host synchronisation), with logprobs when a row
+        asks for them. Rows that need only an argmax (greedy, no penalties, no logprobs:
+        `argmax_only`) take it alone, the same op the sampler's greedy path runs."""
+        if all(argmax_only(s.sampling_params) for s in reqs):
+            return SamplerOutput(self.sampler.argmax(logits), None, None, None)
+        batch = self._sampling_batch(reqs)
+        logprobs = any(s.sampling_params.logprobs is not None for s in reqs)
+        return self.sampler.sample(logits, batch, logprobs=logprobs)
 
-        Rows that need only an argmax (greedy, no penalties, no logprobs: `argmax_only`) take
-        it on the device with one read-back, the same op the sampler's greedy path runs."""
+    def sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest]) -> RunnerOutput:
+        """One token per row of `logits` [B, V] for `reqs` (in order), with logprobs if asked:
+        `_draw`'s tokens, read back once."""
         if self.logits_processor is not None:
             logits = self.logits_processor.apply(
                 logits, [s.request_id for s in reqs], [s.output_token_ids for s in reqs]
             )
-        if all(argmax_only(s.sampling_params) for s in reqs):
-            token_ids = self.reader.read(self.sampler.argmax(logits))  # [B] -> host
-            return RunnerOutput(sampled={s.request_id: [t] for s, t in zip(reqs, token_ids)})
-        batch = self._sampling_batch(reqs)
-        want = [s.sampling_params.logprobs is not None for s in reqs]
-        result = self.sampler.sample(logits, batch, logprobs=any(want))
+        result = self._draw(logits, reqs)
         token_ids = self.reader.read(result.token_ids)  # the step's one host synchronisation
+        want = [s.sampling_params.logprobs is not None for s in reqs]
         out = RunnerOutput()
         lp: list[float] = []
         top_values: list[list[float]] = []

@@ -21,10 +21,11 @@ a step with drafts cannot be queued that way, and the plain steps around draftin
 ahead are measured apart (`plain_cost`), and t(n0) is the lower of the two measurements, so
 verification is weighed against the plain decode it would displace at its fastest.
 
-Acceptance also comes without tries: a free proposer (n-gram) proposes for every greedy
-request whether chosen or not, and the speculator checks an unchosen proposal against the
-tokens plain decode then produced, which are what verification would have compared it with
-(`record_shadow`). Tries are then needed mostly to measure what verifying costs.
+Acceptance also comes without tries: a free proposer (n-gram) proposes for every request
+whether chosen or not, and the speculator checks an unchosen proposal against the tokens plain
+decode then produced, which are what greedy verification would have compared it with, and for
+a sampled request a draw of what rejection sampling would accept (`Speculator._shadow_keep`
+says why; `record_shadow`). Tries are then needed mostly to measure what verifying costs.
 
 Exploration keeps the estimates alive and measures untried sizes. An arm available to a
 request whose drafts have not been tried beyond the picker's own choice for `explore_interval`
@@ -173,9 +174,10 @@ class Picker:
         self._update_acceptance(st, arm, num_drafts, num_accepted)
 
     def record_shadow(self, request_id: str, arm: str, num_drafts: int, num_accepted: int) -> None:
-        """Of `num_drafts` drafts `arm` proposed for a greedy request that decoded without
-        them, the first `num_accepted` equal the tokens it then produced: what verification
-        would have accepted. Free evidence of acceptance (no try, no budget)."""
+        """Of `num_drafts` drafts `arm` proposed for a request that decoded without them, the
+        first `num_accepted` equal the tokens it then produced: what verification would have
+        accepted (greedy), or a draw of it (sampled, deterministic drafts). Free evidence of
+        acceptance (no try, no budget)."""
         st = self._requests.setdefault(request_id, _RequestState())
         self._update_acceptance(st, arm, num_drafts, num_accepted)
 

@@ -374,6 +374,12 @@ class Speculator:
     # settle it (as many as drafted, or one that differs) the picker records it
     # (`Picker.record_shadow`). The picker then knows a proposer's acceptance without trying
     # it; tries are left to measure what verifying costs.
+    # For a sampled request the same count is a sample of the same law: a deterministic
+    # draft d_j (no probabilities: one-hot q) is accepted with probability p_j(d_j), and plain
+    # decode draws d_j at that position with probability p_j(d_j) too, from the same
+    # distribution after the same accepted prefix. So the number of leading drafts that plain
+    # sampling reproduces is distributed as the number that verification would accept, and
+    # a sampled request's shadows are kept as well (a proposal with probabilities is not).
 
     def _shadow_keep(
         self,
@@ -382,12 +388,10 @@ class Speculator:
         choices: Mapping[str, Choice],
     ) -> None:
         for inp in inputs:
-            if inp.temperature > 0:
-                continue
             chosen = choices[inp.request_id].arm
             for name, props in free.items():
                 prop = props.get(inp.request_id)
-                if name != chosen and prop is not None and prop.token_ids:
+                if name != chosen and prop is not None and prop.token_ids and prop.probs is None:
                     out = inp.output_token_ids
                     entry = (name, out, len(out), list(prop.token_ids))
                     self._shadows.setdefault(inp.request_id, []).append(entry)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -376,8 +377,11 @@ def test_bench_concurrency_sweep(tmp_path: Path) -> None:
     argv = ["bench", str(DEMO_MODEL), "--prompt-lens", "16", "--decode-depths", "0"]
     argv += ["--decode-tokens", "4", "--repeats", "1", "--warmup", "0", "--threads", "1"]
     argv += ["--concurrency", "1,3", "--concurrency-prompt", "8", "--out", str(out)]
+    argv += ["--temperature", "0.7"]  # sampled requests: the same sweep
     assert main(argv) == 0
-    rows = json.loads((out / "result.json").read_text())["concurrency"]["rows"]
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["temperature"] == 0.7
+    rows = result["concurrency"]["rows"]
     assert [r["concurrency"] for r in rows] == [1, 3]
     for r in rows:
         s = r["samples"][0]
@@ -389,3 +393,17 @@ def test_bench_concurrency_sweep(tmp_path: Path) -> None:
 def test_git_info_takes_a_stated_commit(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("MOESTREAM_COMMIT", "0c53846")
     assert git_info(tmp_path) == {"path": str(tmp_path), "commit": "0c53846", "dirty": None}
+
+
+def test_decode_params_sample_with_seeds() -> None:
+    """--temperature: greedy at 0; above, seeded requests (the same draws on every engine)."""
+    from moestream.bench.runner import BenchConfig, decode_params
+
+    greedy = decode_params(BenchConfig(), 5, 7)
+    assert greedy.temperature == 0 and greedy.seed is None and greedy.max_tokens == 5
+    sampled = decode_params(BenchConfig(temperature=0.8), 5, 7)
+    assert sampled.temperature == 0.8 and sampled.seed == 7 and sampled.ignore_eos
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(RequestError, match="--temperature"):
+            BenchConfig(temperature=bad)
+    assert json.loads(json.dumps(asdict(BenchConfig(temperature=0.8))))["temperature"] == 0.8

@@ -1,5 +1,5 @@
-"""Run-ahead of greedy decode steps (runner/model_runner.py): the next step is queued, fed by the
-previous step's argmax on the device, before the host reads that argmax.
+"""Run-ahead of decode steps (runner/model_runner.py): the next step is queued, fed by the
+previous step's tokens (argmax or sampled draw) on the device, before the host reads them.
 
 On the CPU the decode graphs are driven by `RecomputeBackend` over the real demo model's forward
 (what a CUDA graph replay computes), so the runner takes its graph path and its run-ahead. The
@@ -91,12 +91,36 @@ def test_run_ahead_survives_arrivals_between_steps(pair):
     assert [got[r] for r in got["order"]] == [want[r] for r in want["order"]]
 
 
-def test_no_run_ahead_for_sampled_requests(pair):
-    ahead, _ = pair
+def test_sampled_requests_run_ahead(pair):
+    """Sampled rows run ahead too (the draw is on the device), each step sampled when it is
+    executed: seeded requests with penalties (which read the output so far), truncation and a
+    greedy row beside them give the tokens they give with run-ahead off."""
+    ahead, plain = pair
+    params = [
+        SamplingParams(temperature=0.9, seed=3, max_tokens=18, ignore_eos=True,
+                       presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.2, seed=7, max_tokens=15, ignore_eos=True, top_k=40,
+                       top_p=0.9, repetition_penalty=1.3),
+    ]  # fmt: skip
     before = ahead.engine.runner.run_ahead_hits
-    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)
-    ahead.generate(_prompts(1), params)
+    got = [o.token_ids for o in ahead.generate(_prompts(3), params)]
+    want = [o.token_ids for o in plain.generate(_prompts(3), params)]
+    assert got == want
+    assert ahead.engine.runner.run_ahead_hits - before > 10
+    # not merely the greedy row's text: the seeded draws differ from the greedy tokens
+    greedy = [dataclasses.replace(p, temperature=0.0) for p in params]
+    assert got != [o.token_ids for o in plain.generate(_prompts(3), greedy)]
+
+
+def test_no_run_ahead_with_logprobs(pair):
+    """Logprobs are read back after the step, which would wait for a step queued behind."""
+    ahead, plain = pair
+    before = ahead.engine.runner.run_ahead_hits
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, logprobs=2)
+    got = ahead.generate(_prompts(1), params)[0]
     assert ahead.engine.runner.run_ahead_hits == before
+    assert got.token_ids == plain.generate(_prompts(1), params)[0].token_ids
 
 
 def test_run_ahead_while_speculating_is_lossless(pair):

@@ -139,3 +139,30 @@ def test_no_drafts_samples_one_token():
     assert out.shape == (2, 1) and accepted.tolist() == [0, 0]
     assert out[0, 0] == logits[0, 0].argmax()
     assert 0 <= out[1, 0] < 10
+
+
+def test_plain_sampling_matches_drafts_as_often_as_verification_accepts_them():
+    """The speculator's shadow drafts for sampled requests (`Speculator._shadow_keep`): the
+    number of leading deterministic drafts that plain sampling reproduces has the law of
+    the number rejection sampling accepts. Both counted over the same target rows, at a
+    temperature with top-k; a wrong claim (e.g. accepting with p^2, or counting matches
+    anywhere) would be off by far more than the tolerance."""
+    n, k, v = 30000, 2, TARGET.shape[1]
+    params = SP(temperature=0.8, top_k=4)
+    draft_ids = torch.tensor([[3, 1]]).expand(n, k)
+    target_logits = torch.stack([TARGET[0], TARGET[1], TARGET[0]]).expand(n, k + 1, v)
+    _, accepted = rejection_sample(
+        draft_ids, None, target_logits, make_batch([params] * n), torch.Generator().manual_seed(2)
+    )
+    # plain decode: sample position j from its processed distribution while it matches
+    batch = make_batch([params])
+    probs = [process_logits(TARGET[i : i + 1], batch).softmax(dim=-1)[0] for i in (0, 1)]
+    gen = torch.Generator().manual_seed(3)
+    first = torch.multinomial(probs[0], n, replacement=True, generator=gen) == 3
+    second = torch.multinomial(probs[1], n, replacement=True, generator=gen) == 1
+    matched = first.long() + (first & second).long()
+    for a in range(k + 1):
+        want = (accepted == a).float().mean().item()
+        got = (matched == a).float().mean().item()
+        assert abs(got - want) < 0.015, (a, got, want)
+    assert 0.05 < (accepted == 2).float().mean().item() < 0.95  # the test separates the cases
