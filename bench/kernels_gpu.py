@@ -20,6 +20,9 @@ bandwidth measured first (bytes read + written by `Tensor.copy_` of 1 GiB), the 
 --sweep times the decode MMVQ (M=1) over a grid of launch configurations and prints the best
 ones per shape beside the heuristic's choice, for tuning `mmvq.mmvq_config`.
 
+`--only gemv` also times the 4-bit code types (Q4_0, IQ4_NL, IQ4_XS, MXFP4) on both decode
+paths at N=12288 K=4096: the float GEMV and mmvq at M=1, mmvq and the tiled GEMM at M=2.
+
 Shapes: Qwen3-30B-A3B (hidden 2048, 32/4 heads of 128, 128 experts top-8, expert FFN 768,
 vocab 151936) and Qwen3-8B (hidden 4096, FFN 12288), weights in the Q4_K_M mix (Q4_K, Q6_K).
 """
@@ -65,6 +68,7 @@ F16_FIELDS = {
 # Byte offsets of E8M0 exponents (MXFP4: 2^(e - 128) per 32 values, times codes up to 12).
 E8M0_FIELDS = {T.MXFP4: (0,)}
 E, TOPK, HIDDEN, FFN = 128, 8, 2048, 768  # Qwen3-30B-A3B MoE layer
+CODE_TYPES = (T.Q4_0, T.IQ4_NL, T.IQ4_XS, T.MXFP4)  # dense mmvq through `mmvq_codes`
 
 
 def random_qtensor(qtype: GGMLQuantizationType, shape: tuple[int, ...], gen) -> QTensor:
@@ -293,7 +297,16 @@ def cases(only: set[str], quick: bool):
         for n, k, qtype in decode[:1] if quick else decode:
             yield bench_matmul, ("gemv", 1, n, k, qtype, bf16)
         for qtype in other_types:
+            if qtype not in CODE_TYPES:
+                yield bench_matmul, ("gemv", 1, 12288, 4096, qtype, bf16)
+        # The 4-bit code types: the float GEMV (their path before `mmvq_codes`) beside mmvq at
+        # one row, and mmvq beside the tiled GEMM (their path from 3 rows) at two.
+        for qtype in (T.Q4_0,) if quick else CODE_TYPES:
             yield bench_matmul, ("gemv", 1, 12288, 4096, qtype, bf16)
+            yield bench_matmul, ("mmvq", 1, 12288, 4096, qtype, bf16)
+            if not quick:
+                yield bench_matmul, ("mmvq", 2, 12288, 4096, qtype, bf16)
+                yield bench_matmul, ("gemm", 2, 12288, 4096, qtype, bf16)
         for m in () if quick else (4, 8):  # the GEMV's own multi-row path, for comparison
             yield bench_matmul, ("gemv", m, 12288, 4096, T.Q4_K, bf16)
         yield bench_matmul, ("gemv", 1, 4096, 4096, T.Q4_K, f32)

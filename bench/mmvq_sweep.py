@@ -2,7 +2,7 @@
 
 Usage (repository root):
     python bench/mmvq_sweep.py [--quick] [--reps 20]   # on a CUDA GPU: < 90 s on an H200
-    python bench/mmvq_sweep.py --asm                   # no GPU needed: the sm_90 build
+    python bench/mmvq_sweep.py --asm [--types Q4_0,IQ4_NL]  # no GPU needed: the sm_90 build
 
 GPU mode. Shapes: Qwen3-30B-A3B fused q/k/v (N=5120 K=2048), o_proj (2048 x 4096) and the Q6_K
 output head (151936 x 2048); Qwen3-8B fused q/k/v (6144 x 4096), o_proj (4096 x 4096), fused
@@ -23,6 +23,8 @@ how many cases. Exits 1 when a check fails.
 --asm compiles `_mmvq_kernel` and `mmvq_once._mmvq_once_kernel` for sm_90 with Triton's bundled
 tools (no GPU) and prints per type, M_BLOCK and launch shape: registers per thread, stack bytes
 (spills), convert_layout ops in the TTGIR, and BAR.SYNC / LDG / SHFL counts in the SASS.
+--types picks the types (default Q4_K, Q5_K, Q6_K, Q8_0; the 4-bit code types Q4_0, IQ4_NL,
+IQ4_XS and MXFP4 have the "once" kernel only).
 """
 
 from __future__ import annotations
@@ -187,18 +189,18 @@ def build_sm90(kernel, qtype: int, m_block: int, block_n: int, g: int, groups: i
     return compiled.asm["ttgir"].count("ttg.convert_layout"), regs, stack, sass
 
 
-def run_asm() -> int:
+def run_asm(qtypes: list[GGMLQuantizationType]) -> int:
     from moestream.kernels import mmvq as mv
     from moestream.kernels import mmvq_once
 
     print("kernel type M_BLOCK BN  G groups warps | regs stack convert_layout BAR  LDG SHFL")
-    for qtype in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0):
+    for qtype in qtypes:
         sub = 8 if qtype == T.Q8_0 else 4
         for m_block in (1, 2, 8):
             for block_n, g, groups in ((4, 8, 8), (4, 8, 16), (8, 8, 16)):
                 cfg = mv.MmvqConfig(block_n, 1, g, 4, "once")
                 runs = [("once", mmvq_once._mmvq_once_kernel, mmvq_once.once_warps(cfg, sub))]
-                if block_n == 4 and groups == 8 and m_block < 8:
+                if block_n == 4 and groups == 8 and m_block < 8 and qtype in mv.MMVQ_QTYPES:
                     runs.append(("tile", mv._mmvq_kernel, 4))
                 for label, kernel, warps in runs:
                     cvt, regs, stack, sass = build_sm90(kernel, int(qtype), m_block, block_n, g,
@@ -218,8 +220,18 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="30B-A3B shapes, fewer configs")
     parser.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     parser.add_argument("--asm", action="store_true", help="sm_90 build check, no GPU")
+    parser.add_argument(
+        "--types", default="Q4_K,Q5_K,Q6_K,Q8_0", help="--asm: comma list of GGML type names"
+    )
     args = parser.parse_args()
-    return run_asm() if args.asm else run_gpu(args.quick, args.reps)
+    if args.asm:
+        from moestream.kernels.ops import MMVQ_DENSE_QTYPES
+
+        qtypes = [T[name] for name in args.types.split(",") if name in T.__members__]
+        if len(qtypes) != len(args.types.split(",")) or not set(qtypes) <= MMVQ_DENSE_QTYPES:
+            parser.error(f"--types: names from {sorted(t.name for t in MMVQ_DENSE_QTYPES)}")
+        return run_asm(qtypes)
+    return run_gpu(args.quick, args.reps)
 
 
 if __name__ == "__main__":

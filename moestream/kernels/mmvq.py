@@ -20,7 +20,9 @@ float32 [M, K/32], s float32 [M, K/32] = d * sum(q) of the block (for types with
 
 Weights are read in their GGUF block format (DESIGN invariant 1). Types whose blocks are 4-byte
 aligned (Q4_K 144 bytes, Q5_K 176) are read a 32-bit word at a time; Q6_K (210) and Q8_0 (34)
-blocks are only 2-byte aligned and are read as 16-bit halves joined into words.
+blocks are only 2-byte aligned and are read as 16-bit halves joined into words (`WORD_BYTES`;
+the 4-bit code types of the "once" variant, `mmvq_codes`: Q4_0 and IQ4_NL as 16-bit halves,
+IQ4_XS as words, MXFP4 as bytes).
 
 Two kernels (`MmvqConfig.variant`): "tile" (`_mmvq_kernel` here, over `mmvq_rows`/`acc_runs`,
 which the fused MoE shares) loads every operand in one [M, rows, runs, 8 words] tile, so
@@ -45,6 +47,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import (
     check_weight,
@@ -52,7 +55,7 @@ from moestream.kernels._triton_dequant import (
     reduce_split_k,
     split_k_target,
 )
-from moestream.kernels.ops import MMVQ_QTYPES
+from moestream.kernels.ops import MMVQ_DENSE_QTYPES, MMVQ_QTYPES
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
@@ -63,6 +66,12 @@ Q8_0 = tl.constexpr(8)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+_T = GGMLQuantizationType
+# Widest load (bytes) the kernels issue on a weight's rows, which `mmvq` checks the rows' start
+# and stride against: the alignment of every block in a row that starts so aligned (a row holds
+# whole 256-value groups: 144, 176, 210, 8 x 34, 8 x 18, 136 and 8 x 17 bytes).
+WORD_BYTES = {_T.Q4_K: 4, _T.Q5_K: 4, _T.Q6_K: 2, _T.Q8_0: 2, _T.Q4_0: 2, _T.IQ4_NL: 2}
+WORD_BYTES.update({_T.IQ4_XS: 4, _T.MXFP4: 1})
 
 
 class Q8Act(NamedTuple):
@@ -534,9 +543,10 @@ def mmvq(
 ) -> torch.Tensor:
     """y [M, N] = x @ dequant(w).T for quantized activations `a` (M <= MAX_M) -> out_dtype.
 
-    `w` a 2-D QTensor of a type in MMVQ_QTYPES with K = a.k a multiple of 256. `out`, when
-    given, is an [M, N] tensor with unit last stride that receives the result."""
-    out = q8_matmul_out(a, w, MMVQ_QTYPES, "mmvq", out, out_dtype)
+    `w` a 2-D QTensor of a type in MMVQ_DENSE_QTYPES (the "tile" variant: MMVQ_QTYPES) with
+    K = a.k a multiple of 256. `out`, when given, is an [M, N] tensor with unit last stride that
+    receives the result."""
+    out = q8_matmul_out(a, w, MMVQ_DENSE_QTYPES, "mmvq", out, out_dtype)
     m, k, n = a.rows, a.k, w.shape[0]
     if m > MAX_M:
         raise ValueError(f"mmvq takes at most {MAX_M} rows, got {m}")
@@ -549,6 +559,11 @@ def mmvq(
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
     if cfg.variant not in VARIANTS or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"{cfg}: variant must be one of {VARIANTS}, block_n a power of two")
+    if cfg.variant == "tile" and w.qtype not in MMVQ_QTYPES:
+        raise ValueError(f'mmvq: no "tile" kernel for {w.qtype.name}')
+    align = WORD_BYTES[w.qtype]
+    if w.data.data_ptr() % align or w.data.stride(0) % align:
+        raise ValueError(f"mmvq: {w.qtype.name} rows must be {align}-byte aligned")
     dst, stride_os = split_k_target(out, cfg.split_k)
     if cfg.variant == "once":
         from moestream.kernels.mmvq_once import launch_mmvq_once  # it imports this module
@@ -567,6 +582,7 @@ def mmvq(
 
 __all__ = [
     "MAX_M",
+    "MMVQ_DENSE_QTYPES",
     "MMVQ_QTYPES",
     "MmvqConfig",
     "VARIANTS",

@@ -10,6 +10,9 @@ broadcast over M. The four words of a (run, half) are summed as integers first (
 scaled once per 16 values (the Q6_K scale spacing), so the float work is per 16 weights, not
 per word. Batch invariant: nothing depends on M, and the final sum is `mmvq.tree_sum`.
 
+Types: Q4_K, Q5_K, Q6_K and Q8_0 here (the dense and the MoE kernels step them); the 4-bit code
+types Q4_0, IQ4_NL, IQ4_XS and MXFP4 in `mmvq_codes` (the dense kernel only).
+
 Weight layouts, activation layout (`Q8Act`) and letters are those of `mmvq`; this module
 imports its low-level helpers (`mmvq` imports this one lazily, in `mmvq.mmvq`).
 """
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from moestream.kernels._triton_dequant import IQ4_NL, IQ4_XS, MXFP4, Q4_0
 from moestream.kernels.mmvq import (
     Q4_K,
     Q5_K,
@@ -37,6 +41,7 @@ from moestream.kernels.mmvq import (
     use_asm,
     word16,
 )
+from moestream.kernels.mmvq_codes import once_step_codes
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.weights.qtensor import QTensor
 
@@ -162,6 +167,9 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
             row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
             part = _once_q6_k(row, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM)
             parts = tl.where(col == i, parts + part, parts)
+    elif (QTYPE == Q4_0) or (QTYPE == IQ4_NL) or (QTYPE == IQ4_XS) or (QTYPE == MXFP4):  # noqa: SIM109
+        parts = once_step_codes(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd,
+                                QTYPE, BLOCK_N, ASM)  # fmt: skip
     else:
         tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
         c = r % 4

@@ -11,9 +11,10 @@ the reference, which for float weights is a plain cuBLAS matmul.
 
 Batch-invariant mode (`batch_invariant()`, the engine's `--deterministic` on a GPU): every row's
 result is computed by the same kernels in the same shapes whatever else is in the batch, so
-greedy text cannot change with concurrency, chunk size or prefix hits. Quantized matmuls run the
-integer-dot decode kernel on chunks of at most MMVQ_MAX_M rows (its row results do not depend on
-the chunk: tested), other quantized types one row at a time, float weights in fixed chunks of
+greedy text cannot change with concurrency, chunk size or prefix hits. Quantized matmuls of
+MMVQ_DENSE_QTYPES run the integer-dot decode kernel on chunks of at most MMVQ_MAX_M rows (its row
+results do not depend on the chunk: tested), other quantized types the float GEMV one row at a
+time, float weights in fixed chunks of
 INVARIANT_ROWS rows (zero-padded, so cuBLAS always sees one shape), and the fused MoE its
 integer-dot path on chunks of at most INVARIANT_MOE_TOKENS tokens (one token at a time for other
 types). Prefill pays for it: the weights are read once per chunk instead of once per step. On
@@ -53,7 +54,11 @@ GEMV_MAX_M = 1
 # 32, as llama.cpp's GPU decode path does) takes at most per call: batch-invariant mode runs it
 # on chunks of this many rows; the default path uses it below MMQ_MIN_M rows.
 MMVQ_MAX_M = 8
+# Types of every integer-dot kernel: dense `mmvq` (both variants), the MoE's and `mmq`.
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
+# Types of the dense decode kernel (`mmvq`, its "once" variant): MMVQ_QTYPES and the 4-bit code
+# types (`kernels.mmvq_codes`). They have no `mmq`: from MMQ_MIN_M rows they keep the float paths.
+MMVQ_DENSE_QTYPES = MMVQ_QTYPES | {_Q.Q4_0, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4}
 # Rows from which a quantized matmul dequantizes the weight to the activation dtype and calls
 # cuBLAS (`kernels.dequant_mm`) instead of the in-register dequantizing GEMM. H200, bf16
 # (bench/kernels_gpu.py --only dequant): equal at 16 rows, 2-2.5x faster from 32 rows
@@ -151,7 +156,7 @@ def _matmul_path(x2: torch.Tensor, w: QTensor) -> str:
     """The kernel `quant_matmul` runs for x2 [M, K] on the kernel path outside batch-invariant
     mode: "mmvq", "dequant", "mmq", "gemv" or "gemm" (see `quant_matmul`)."""
     m = x2.shape[0]
-    if m < MMQ_MIN_M and w.qtype in MMVQ_QTYPES:
+    if m < MMQ_MIN_M and w.qtype in MMVQ_DENSE_QTYPES:
         return "mmvq"
     if m >= DEQUANT_MIN_M or (m >= CACHED_MIN_M and w.values_in(x2.dtype) is not None):
         return "dequant"  # a bf16 copy (cached by `--weight-cache-gib`, or made now), cuBLAS
@@ -166,7 +171,7 @@ def takes_q8(x: torch.Tensor, w: QTensor) -> bool:
     produced x) can be passed as `xa` and that launch is saved."""
     if not (_use_kernels(x, w) and len(w.shape) == 2 and x.numel() > 0):
         return False
-    if w.qtype not in MMVQ_QTYPES:
+    if w.qtype not in MMVQ_DENSE_QTYPES:
         return False
     if batch_invariant_enabled():
         return True
@@ -176,11 +181,11 @@ def takes_q8(x: torch.Tensor, w: QTensor) -> bool:
 def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
-    On the kernel path, weights in MMVQ_QTYPES take the integer-dot decode kernel below
-    MMQ_MIN_M rows and the int8 tensor-core kernel from there to DEQUANT_MIN_M; up to
-    GEMV_MAX_M rows of other types go to the float GEMV; from DEQUANT_MIN_M rows
-    to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM; in batch-invariant
-    mode `invariant_quant_matmul` (and fixed row chunks for other weights).
+    On the kernel path, weights in MMVQ_DENSE_QTYPES take the integer-dot decode kernel below
+    MMQ_MIN_M rows, those in MMVQ_QTYPES the int8 tensor-core kernel from there to
+    DEQUANT_MIN_M; up to GEMV_MAX_M rows of other types go to the float GEMV; from
+    DEQUANT_MIN_M rows to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM;
+    in batch-invariant mode `invariant_quant_matmul` (and fixed row chunks for other weights).
 
     `xa`: x's rows (flattened to [M, K]) already rounded by `kernels.mmvq.quantize_q8` (bit for
     bit its output); the integer-dot kernels then use it instead of quantizing x (`takes_q8`
@@ -235,7 +240,7 @@ def invariant_quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None)
     integer-dot kernel on chunks of at most MMVQ_MAX_M rows for its types (their q8 rows from
     `xa` when given: `quant_matmul`), the float GEMV one row at a time for the others. Runs
     under the Triton interpreter on CPU tensors too."""
-    if w.qtype in MMVQ_QTYPES:
+    if w.qtype in MMVQ_DENSE_QTYPES:
         from moestream.kernels.mmvq import mmvq, quantize_q8
 
         parts = []

@@ -23,7 +23,7 @@ from tests.kernels.test_quant_matmul import activations, quantized  # noqa: E402
 T = GGMLQuantizationType
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q3_K])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q4_0, T.Q3_K])
 def test_matmul_rows_do_not_depend_on_the_batch(qtype: GGMLQuantizationType) -> None:
     """9 rows (two chunks for the integer-dot types): every row equals itself computed
     alone and inside other batches, bit for bit."""

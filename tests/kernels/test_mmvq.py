@@ -10,6 +10,9 @@ import os
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from moestream.kernels import ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -25,10 +28,12 @@ from moestream.kernels.mmvq import (  # noqa: E402
     quantize_q8,
     quantize_q8_ref,
 )
+from moestream.weights.qtensor import QTensor  # noqa: E402
 from tests.kernels.test_quant_matmul import activations, quantized, random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
 TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0)
+CODE_TYPES = (T.Q4_0, T.IQ4_NL, T.IQ4_XS, T.MXFP4)  # dense "once" kernel only (`mmvq_codes`)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,6 +83,13 @@ def test_mmvq_rejects_bad_input() -> None:
         mmvq(quantize_q8(activations(1, 512, torch.float32, 0)), w)
     with pytest.raises(ValueError, match="no kernel"):
         mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q2_K, (8, 256), 0))
+    with pytest.raises(ValueError, match="tile"):  # the code types have the "once" kernel only
+        mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q4_0, (8, 256), 0),
+             config=MmvqConfig(variant="tile"))  # fmt: skip
+    w = random_blocks(T.IQ4_NL, 2, 256, seed=0)
+    odd = torch.zeros(w.data.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(2, -1)
+    with pytest.raises(ValueError, match="2-byte aligned"):  # read as 16-bit halves
+        mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), QTensor(odd, T.IQ4_NL, w.shape))
 
 
 # ---- the "once" variant (activations loaded once per program) ---------------------------------
@@ -133,3 +145,65 @@ def test_mmvq_once_default_config_does_not_depend_on_m() -> None:
     with pytest.raises(ValueError, match="variant"):
         mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q4_K, (8, 256), 0),
              config=MmvqConfig(variant="rows"))  # fmt: skip
+
+
+# ---- the 4-bit code types (`mmvq_codes`: dense "once" kernel only) -----------------------------
+
+
+@pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3])
+def test_mmvq_once_code_types_random_blocks(qtype: GGMLQuantizationType, m: int) -> None:
+    """Every code, sub-block scale and exponent occurs; N = 5 leaves a ragged second program
+    (4 rows each); 2 groups, one a step. The reference dequantizes as gguf does (checked)."""
+    w = random_blocks(qtype, 5, 512, seed=int(qtype) + m)
+    gguf_values = dequantize(w.data.cpu().numpy(), qtype)
+    assert torch.equal(w.dequantize().cpu(), torch.from_numpy(gguf_values).float())
+    a = quantize_q8(activations(m, 512, torch.float32, seed=m))
+    out = torch.full((m, 5), float("nan"), device=DEVICE)
+    y = mmvq(a, w, out=out, config=once(block_n=4, groups=1))
+    ref = mmvq_ref(a, w)
+    assert torch.isfinite(y).all()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-5
+
+
+@pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
+def test_mmvq_once_code_types_batch_invariance(qtype: GGMLQuantizationType) -> None:
+    """A row's bits alone (M_BLOCK 1: two steps unrolled), as a pair and among 8 (M_BLOCK 8:
+    the step loop) are the same; 2 K splits."""
+    w = random_blocks(qtype, 2, 1024, seed=int(qtype) + 5)
+    x = activations(8, 1024, torch.float32, seed=6) * 50.0  # large sums: rounding shows
+    cfg = once(block_n=2, split_k=2, groups=1)
+    y = mmvq(quantize_q8(x), w, config=cfg)  # [8, 2]
+    ref = mmvq_ref(quantize_q8_ref(x), w)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-5
+    assert torch.equal(mmvq(quantize_q8(x[5:6]), w, config=cfg)[0], y[5])
+    assert torch.equal(mmvq(quantize_q8(x[2:4]), w, config=cfg), y[2:4])
+
+
+@pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
+def test_code_types_take_mmvq_for_dense_decode_only(monkeypatch, qtype) -> None:
+    """Dense matmuls of 1-2 rows take mmvq on the norm's q8 rows (the default config: once),
+    3 rows the float GEMM, 32 the bf16 copy; the MoE paths keep the float kernels."""
+    from moestream.kernels import moe
+
+    monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)  # CPU tensors: interpreter
+    w = random_blocks(qtype, 6, 256, seed=1)
+    x = activations(3, 256, torch.float32, seed=2)
+    assert [ops._matmul_path(x[:m], w) for m in (1, 2, 3)] == ["mmvq", "mmvq", "gemm"]
+    assert ops._matmul_path(torch.zeros(ops.DEQUANT_MIN_M, 256), w) == "dequant"
+    assert ops.takes_q8(x[:2], w) and not ops.takes_q8(x, w)
+    assert torch.equal(ops.quant_matmul(x[:2], w), mmvq(quantize_q8(x[:2]), w))
+    with ops.batch_invariant():
+        assert ops.takes_q8(x, w)
+    stack = random_blocks(qtype, 6, 256, seed=3)
+    stack = QTensor(stack.data.view(2, 3, -1), qtype, (2, 3, 256))
+    assert not ops.moe_takes_q8(x, 2, stack, stack, stack, 2)
+    assert moe.default_method(4, stack, stack, stack) == "gemv"
+
+
+def test_other_types_keep_their_paths(monkeypatch) -> None:
+    monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)
+    x = activations(3, 256, torch.float32, seed=2)
+    assert ops._matmul_path(x[:1], random_blocks(T.Q4_1, 4, 256, seed=1)) == "gemv"
+    assert ops._matmul_path(x, random_blocks(T.Q4_K, 4, 256, seed=1)) == "mmq"
+    assert {T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0} == ops.MMVQ_QTYPES  # the MoE and mmq kernels' types
