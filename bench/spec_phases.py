@@ -7,7 +7,8 @@ and run-ahead hits.
                                 [--modes plain,plain#2,ngram,draft,auto] [--temperature 1.0]
 
 A mode named twice with a suffix (`plain#2`) runs as a second arm of its own: how far two
-identical arms differ is the noise floor of every other ratio.
+identical arms differ is the noise floor of every other ratio. `plain!` is plain decode with
+the runner's run-ahead off.
 
 Each phase is timed by wrapping the engine's own methods on the instance (the same wrappers in
 every mode, ~0.2 us each). "other" is the step's time outside the named phases (timing, the
@@ -34,6 +35,10 @@ from moestream.llm import LLM
 from moestream.spec.base import SpecConfig
 
 PHASES = ("schedule", "forward", "commit", "observe", "record", "propose")
+# Parts of "forward" (the runner's execute), not in the phases' sum: the sampling batch's
+# build and copy, the draw (batch included), queueing the next step ahead, the wait for the
+# tokens' read-back.
+RUNNER_PARTS = ("batch", "draw", "launch_next", "read_wait")
 
 
 class Clock:
@@ -74,7 +79,12 @@ class Clock:
 
 def instrument(engine: Any, clock: Clock) -> None:
     engine.scheduler.schedule = clock.wrap(engine.scheduler.schedule, "schedule")
-    engine.runner.execute = clock.wrap(engine.runner.execute, "forward")
+    runner = engine.runner
+    runner.execute = clock.wrap(runner.execute, "forward")
+    runner._sampling_batch = clock.wrap(runner._sampling_batch, "batch")
+    runner._draw = clock.wrap(runner._draw, "draw")
+    runner._launch_next = clock.wrap(runner._launch_next, "launch_next")
+    runner.reader.finish = clock.wrap(runner.reader.finish, "read_wait")
     engine._commit = clock.wrap(engine._commit, "commit")
     engine._propose_drafts = clock.wrap(engine._propose_drafts, "propose")
     step = clock.wrap(engine.step, "step")
@@ -129,7 +139,9 @@ def main() -> int:
     specs: dict[str, Any] = {}
     for m in modes:
         specs[m] = None
-        mode = m.split("#")[0]  # "plain#2": a second arm of the same mode (the noise floor)
+        # "plain#2": a second arm of the same mode (the noise floor); "plain!": plain decode
+        # with the runner's run-ahead off
+        mode = m.split("#")[0].rstrip("!")
         if mode != "plain":
             specs[m] = engine.build_speculator(SpecConfig(mode=mode, draft_model=str(DEMO_DRAFT)))
             instrument_speculator(specs[m], clock)
@@ -144,11 +156,13 @@ def main() -> int:
             order.reverse()
         for m in order:
             engine.speculator = specs[m]
+            if m.startswith("plain!"):
+                engine.runner.run_ahead = False
             hits = engine.runner.run_ahead_hits
             arms = arm_counts(specs[m])
             clock.reset()
             res = decode_run(engine, prompts, args.tokens + 1, args.temperature)
-            engine.speculator = None
+            engine.speculator = None  # (which turns run-ahead back on)
             steps = max(1, clock.steps)
             row = {f"{k}_us": v / steps * 1e6 for k, v in clock.seconds.items()}
             named = sum(clock.seconds[k] for k in PHASES)
@@ -169,8 +183,8 @@ def main() -> int:
                   file=sys.stderr)  # fmt: skip
             if r:
                 rows[m].append(row)
-    cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us", "ahead", "gc",
-            "gc_ms", "verify_steps"]  # fmt: skip
+    cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us",
+            *[f"{k}_us" for k in RUNNER_PARTS], "ahead", "gc", "gc_ms", "verify_steps"]  # fmt: skip
     sampled = f", temperature {args.temperature}" if args.temperature > 0 else ""
     frozen = " gc frozen" if args.freeze else ""
     print(f"{args.kind} prompts{sampled}, {args.prompts} x {args.tokens} tokens, "

@@ -76,12 +76,13 @@
 #                                        phases (prose, copy, and prose sampled at temperature 1)
 #   bench/scripts/gpu_figures.sh s7b     30B-A3B sampled decode with run-ahead of greedy steps only
 #                                        and of sampled ones too; tiny-pair step phases
+#   bench/scripts/gpu_figures.sh s7c     tiny-pair sampled step phases with run-ahead and without
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -531,6 +532,12 @@ PY
       --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     timeout 100 python3 bench/spec_phases.py --kind prose --rounds 4 \
       --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_prose.txt"
+    ;;
+  s7c)  # the tiny pair's sampled steps with run-ahead and without (plain!), runner parts timed
+    timeout 150 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
+      --modes plain,plain!,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    timeout 100 python3 bench/spec_phases.py --kind prose --rounds 4 \
+      --modes plain,plain! 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_prose.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
