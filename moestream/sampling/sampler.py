@@ -204,6 +204,17 @@ class SamplingBatch:
             max_token_id=int(all_ids.max()) if all_ids.numel() else -1,
         )
 
+    def reseeded(self, params_list: Sequence[Any], step_seeds: Sequence[int]) -> SamplingBatch:
+        """This batch for the same rows (`params_list`: the parameters it was built from, no
+        penalties) at other step indices: only the generator seeds change."""
+        if self.any_penalties:
+            raise ValueError("a batch with penalties depends on the output: build it anew")
+        seeds = tuple(
+            None if p.seed is None else step_seed(int(p.seed), int(step))
+            for p, step in zip(params_list, step_seeds, strict=True)
+        )
+        return self if seeds == self.generator_seeds else replace(self, generator_seeds=seeds)
+
     def repeat_rows(self, repeats: int) -> SamplingBatch:
         """Each row repeated `repeats` times in place (row i -> rows i*r .. i*r+r-1).
 

@@ -164,3 +164,46 @@ def test_a_queued_step_is_used_after_run_ahead_turns_off(pair):
     engine.runner.run_ahead = True
     assert engine.runner.run_ahead_hits == hits + 1
     assert out == plain.generate(_prompts(1), params)[0].token_ids
+
+
+def test_sampling_batch_reused_with_new_seeds(pair, monkeypatch):
+    """A step whose rows have the parameters of the last one reuses its sampling batch with
+    the new step seeds (`ModelRunner._sampling_batch`): the same draws as building every
+    batch anew, with far fewer builds; a batch with penalties is always built anew."""
+    from moestream.sampling.sampler import SamplingBatch
+
+    ahead, _ = pair
+    runner = ahead.engine.runner
+    params = [
+        SamplingParams(temperature=0.9, seed=11, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=1.1, seed=12, max_tokens=14, ignore_eos=True, top_p=0.8),
+    ]
+    builds = []
+    build = SamplingBatch.from_params.__func__
+
+    def counted(cls, *args, **kwargs):
+        builds.append(1)
+        return build(cls, *args, **kwargs)
+
+    monkeypatch.setattr(SamplingBatch, "from_params", classmethod(counted))
+    got = [o.token_ids for o in ahead.generate(_prompts(2), params)]
+    reused = len(builds)
+
+    def fresh(reqs):  # no reuse
+        return SamplingBatch.from_params(
+            [s.sampling_params for s in reqs], [s.output_token_ids for s in reqs],
+            [s.prompt_token_ids for s in reqs], runner.device,
+            [len(s.output_token_ids) for s in reqs],
+        )  # fmt: skip
+
+    monkeypatch.setattr(runner, "_sampling_batch", fresh)
+    builds.clear()
+    assert [o.token_ids for o in ahead.generate(_prompts(2), params)] == got
+    assert reused < len(builds) // 4  # ~13 steps each built a batch, reuse built ~2
+    monkeypatch.undo()
+    runner._last_batch = None
+    pen = [dataclasses.replace(p, presence_penalty=0.4) for p in params]
+    builds_before = len(builds)
+    monkeypatch.setattr(SamplingBatch, "from_params", classmethod(counted))
+    ahead.generate(_prompts(2), pen)
+    assert len(builds) - builds_before >= 13  # one per step

@@ -323,3 +323,22 @@ def test_batch_fields_per_row():
     assert b.frequency_penalty.tolist() == [0.0, 0.0, -0.5]
     assert b.output_token_rows.tolist() == [1, 1, 2] and b.output_token_ids.tolist() == [5, 6, 7]
     assert b.prompt_token_rows.tolist() == [1, 1] and b.prompt_token_ids.tolist() == [2, 3]
+
+
+def test_reseeded_batch_equals_a_fresh_one():
+    from dataclasses import fields
+
+    params = [SP(temperature=0.7, seed=4, top_k=5), SP(temperature=0), SP(temperature=1.0)]
+    outs = [[1, 2], [3], []]
+    prompts = [[5], [6], [7]]
+    a = SamplingBatch.from_params(params, outs, prompts, "cpu", [2, 1, 0])
+    b = SamplingBatch.from_params(params, outs, prompts, "cpu", [7, 3, 9])
+    r = a.reseeded(params, [7, 3, 9])
+    assert r.generator_seeds == b.generator_seeds != a.generator_seeds
+    for f in fields(SamplingBatch):
+        x, y = getattr(r, f.name), getattr(b, f.name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
+    assert a.reseeded(params, [2, 1, 0]) is a
+    pen = SamplingBatch.from_params([SP(presence_penalty=0.5)], [[1]], [[2]], "cpu")
+    with pytest.raises(ValueError, match="penalties"):
+        pen.reseeded([SP(presence_penalty=0.5)], [3])

@@ -118,6 +118,7 @@ def test_runner_greedy_verification_equals_rejection_sampling(monkeypatch):
     runner.device, runner.logits_processor = torch.device("cpu"), None
     runner.sampler = model_runner.Sampler()
     runner.reader = model_runner.HostReader(torch.device("cpu"))
+    runner._last_batch = None
     for trial in range(20):
         ks = [int(k) for k in torch.randint(0, 5, (4,), generator=gen)]
         logits = torch.randn(sum(k + 1 for k in ks), v, generator=gen)
