@@ -39,6 +39,8 @@ PHASES = ("schedule", "forward", "commit", "observe", "record", "propose")
 # build and copy, the draw (batch included), queueing the next step ahead, the wait for the
 # tokens' read-back.
 RUNNER_PARTS = ("batch", "draw", "launch_next", "read_wait")
+# ... and of "propose": the draft model's forwards (catch-up chunks and drafting).
+SPEC_PARTS = ("draft_forward",)
 
 
 class Clock:
@@ -159,6 +161,7 @@ def main() -> int:
             if m.startswith("plain!"):
                 engine.runner.run_ahead = False
             hits = engine.runner.run_ahead_hits
+            dropped = engine.runner.run_ahead_dropped
             arms = arm_counts(specs[m])
             clock.reset()
             res = decode_run(engine, prompts, args.tokens + 1, args.temperature)
@@ -172,6 +175,7 @@ def main() -> int:
             row["gc"] = clock.gc_count
             row["gc_ms"] = clock.gc_seconds * 1e3
             row["ahead"] = (engine.runner.run_ahead_hits - hits) / steps
+            row["dropped"] = engine.runner.run_ahead_dropped - dropped  # per run
             spec = res["spec"]
             row["verify_steps"] = spec.verified.num_verify_steps if spec is not None else 0
             tries = {
@@ -184,7 +188,8 @@ def main() -> int:
             if r:
                 rows[m].append(row)
     cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us",
-            *[f"{k}_us" for k in RUNNER_PARTS], "ahead", "gc", "gc_ms", "verify_steps"]  # fmt: skip
+            *[f"{k}_us" for k in RUNNER_PARTS + SPEC_PARTS], "ahead", "dropped", "gc", "gc_ms",
+            "verify_steps"]  # fmt: skip
     sampled = f", temperature {args.temperature}" if args.temperature > 0 else ""
     frozen = " gc frozen" if args.freeze else ""
     print(f"{args.kind} prompts{sampled}, {args.prompts} x {args.tokens} tokens, "

@@ -77,12 +77,14 @@
 #   bench/scripts/gpu_figures.sh s7b     30B-A3B sampled decode with run-ahead of greedy steps only
 #                                        and of sampled ones too; tiny-pair step phases
 #   bench/scripts/gpu_figures.sh s7c     tiny-pair sampled step phases with run-ahead and without
+#   bench/scripts/gpu_figures.sh s7d     tiny-pair step phases (sampled, prose, copy); dense GEMV
+#                                        of every type on both paths; mmvq GPU tests
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -538,6 +540,18 @@ PY
       --modes plain,plain!,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     timeout 100 python3 bench/spec_phases.py --kind prose --rounds 4 \
       --modes plain,plain! 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_prose.txt"
+    ;;
+  s7d)  # tiny-pair step phases (sampled at T=1, prose, copy) with the runner's parts; the
+    # dense GEMV of every type (float and integer-dot paths); the mmvq GPU tests
+    timeout 150 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
+      --modes plain,plain!,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    for kind in prose copy; do
+      timeout 130 python3 bench/spec_phases.py --kind $kind --rounds 6 \
+        --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_$kind.txt"
+    done
+    timeout 120 python3 bench/kernels_gpu.py --only gemv 2>&1 | tee "$out/kernels_gemv.log" \
+      | grep -E "^\| (gemv|mmvq)|copy bandwidth|passed|failed"
+    timeout 150 python3 -m pytest tests/kernels/test_mmvq.py -q -p no:cacheprovider 2>&1 | tail -3
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

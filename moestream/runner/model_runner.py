@@ -168,6 +168,7 @@ class ModelRunner:
         self.run_ahead = True
         self._ahead: RunAhead | None = None
         self.run_ahead_hits = 0  # steps whose forward was already queued when planned
+        self.run_ahead_dropped = 0  # queued steps that the next plan did not match
 
     @property
     def has_queued_step(self) -> bool:
@@ -208,6 +209,14 @@ class ModelRunner:
         fed tokens reach its end (after its accepted drafts, for a request with drafts)."""
         self.last_step_graph = None
         ahead, self._ahead = self._ahead, None  # good for this step only
+        hits = self.run_ahead_hits
+        try:
+            return self._execute(plan, ahead)
+        finally:
+            if ahead is not None and self.run_ahead_hits == hits:
+                self.run_ahead_dropped += 1  # its device time was spent for nothing
+
+    def _execute(self, plan: StepPlan, ahead: RunAhead | None) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput()
         reqs = plan.scheduled

@@ -87,8 +87,11 @@ def test_run_ahead_survives_arrivals_between_steps(pair):
         return {rid: out[rid] for rid in ids} | {"order": ids}  # type: ignore[dict-item]
 
     ahead, plain = pair
+    dropped = ahead.engine.runner.run_ahead_dropped
     got, want = run(ahead), run(plain)
     assert [got[r] for r in got["order"]] == [want[r] for r in want["order"]]
+    assert ahead.engine.runner.run_ahead_dropped > dropped  # counted (one per arrival here)
+    assert plain.engine.runner.run_ahead_dropped == 0
 
 
 def test_sampled_requests_run_ahead(pair):
