@@ -203,22 +203,28 @@ class Picker:
         return cost.upper(num_requests) if len(cost) else self.target_cost.upper(num_requests)
 
     def priced_out(self, num_requests: int) -> bool:
-        """Whether every model arm is timed (twice at batch 1: `_first_try`) and, for
-        `num_requests` requests each drafting k <= max_k tokens with the arm, could not beat
-        plain decode by `min_gain` even if every draft were accepted. Free arms are never
-        priced out (they cost no forward). Then what a proposal round can find does not depend
-        on the request: only the costs, which change slowly."""
+        """Whether there is no free arm and every model arm is priced out for `num_requests`
+        requests (`arm_priced_out`). Then what a proposal round can find does not depend on
+        the request: only the costs, which change slowly."""
+        if not self.model_arms or len(self.model_arms) != len(self.arms):
+            return False
+        return all(self.arm_priced_out(arm, num_requests) for arm in self.model_arms)
+
+    def arm_priced_out(self, arm: str, num_requests: int) -> bool:
+        """Whether model arm `arm` is timed (twice at batch 1: `_first_try`) and, for
+        `num_requests` requests each drafting k <= max_k tokens with it, could not beat plain
+        decode by `min_gain` even if every draft were accepted. (Under costs linear in the
+        tokens, fewer of the requests drafting pays still less: u of b requests pay only if
+        u * a > b * F(u), a the target step's fixed cost and F the draft forward's.) A free
+        arm is never priced out: it costs no forward."""
         b = num_requests
-        if not self.model_arms or b < 1 or len(self.model_arms) != len(self.arms):
+        if arm not in self.draft_cost or b < 1 or self.draft_cost[arm].count(1) < 2:
             return False
         best_rate = b / self.plain_time(b) * (1.0 + self.min_gain)
-        for arm in self.model_arms:
-            if self.draft_cost[arm].count(1) < 2:
+        forward = self.draft_time(arm, b)
+        for k in range(1, self.max_k + 1):
+            if b * (1 + k) / (self.target_cost.upper(b * (1 + k)) + k * forward) > best_rate:
                 return False
-            forward = self.draft_time(arm, b)
-            for k in range(1, self.max_k + 1):
-                if b * (1 + k) / (self.target_cost.upper(b * (1 + k)) + k * forward) > best_rate:
-                    return False
         return True
 
     def release(self, request_id: str) -> None:

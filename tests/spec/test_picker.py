@@ -10,10 +10,10 @@ import pytest
 
 from moestream.errors import RequestError
 from moestream.sched.scheduler import Scheduler
-from moestream.spec.base import SpecConfig
+from moestream.spec.base import ProposalInput, Proposer, SpecConfig
 from moestream.spec.ngram import NgramProposer
 from moestream.spec.picker import FIRST_TRIES, Candidate, Choice, Picker
-from moestream.spec.speculator import IDLE_AFTER, IDLE_MAX_SKIP, Speculator
+from moestream.spec.speculator import IDLE_AFTER, IDLE_MAX_SKIP, IDLE_PRICED_OUT_SKIP, Speculator
 from moestream.spec.stats import AcceptanceEMA, SpecStats, StepCostModel
 from moestream.types import Request, RequestStatus, SamplingParams, ScheduledRequest, StepPlan
 
@@ -228,6 +228,47 @@ def test_an_arm_is_priced_out_only_when_perfect_drafts_would_not_pay():
     once = picker(None)
     once.record_draft_time("draft", 1, 4, 4.0)
     assert not once.priced_out(1)  # timed once: it may have been compiling
+
+
+class ModelArm(Proposer):
+    """A stand-in draft model that costs forwards and has nothing to draft."""
+
+    name = "draft"
+    costs_forward = True
+
+    def propose(self, inputs):
+        return {}
+
+    def release(self, request_id):
+        pass
+
+
+def test_a_priced_out_model_arm_is_withheld_from_the_picker():
+    """With a free arm beside it, a priced-out model arm (`Picker.arm_priced_out`) is not
+    offered: a round whose n-gram finds nothing asks the picker nothing, but every
+    IDLE_PRICED_OUT_SKIP-th round, which offers the arm so that it is re-priced."""
+    spec = Speculator(SpecConfig(mode="auto"), [NgramProposer(), ModelArm()])
+    for n in range(1, 40):
+        spec.record_step_time(n, dense(n))
+    inputs = [ProposalInput("a", [1, 2, 3, 4, 5, 6], [], num_drafts=4)]  # no n-gram recurs
+    asked = []
+    choose = spec.picker.choose
+
+    def counted(cands, *args, **kwargs):
+        asked.append([sorted(c.available) for c in cands])
+        return choose(cands, *args, **kwargs)
+
+    spec.picker.choose = counted
+    assert spec.propose(inputs) == {}
+    assert asked == [[["draft"]]]  # not timed yet: offered
+    for _ in range(2):
+        spec.picker.record_draft_time("draft", 1, 4, 4 * dense(1))  # as dear as a step
+    assert spec.picker.arm_priced_out("draft", 1) and not spec.picker.priced_out(1)
+    assert not spec.picker.arm_priced_out("ngram", 1)
+    asked.clear()
+    for _ in range(2 * IDLE_PRICED_OUT_SKIP):
+        assert spec.propose(inputs) == {}
+    assert asked == [[["draft"]], [["draft"]]]  # re-offered twice, at rounds N and 2N
 
 
 # ---- measurements --------------------------------------------------------------------------
