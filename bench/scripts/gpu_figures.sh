@@ -79,12 +79,14 @@
 #   bench/scripts/gpu_figures.sh s7c     tiny-pair sampled step phases with run-ahead and without
 #   bench/scripts/gpu_figures.sh s7d     tiny-pair step phases (sampled, prose, copy); dense GEMV
 #                                        of every type on both paths; mmvq GPU tests
+#   bench/scripts/gpu_figures.sh s7e     tiny-pair step phases (sampled, prose, copy); 30B-A3B
+#                                        decode and concurrency, greedy and sampled
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -552,6 +554,22 @@ PY
     timeout 120 python3 bench/kernels_gpu.py --only gemv 2>&1 | tee "$out/kernels_gemv.log" \
       | grep -E "^\| (gemv|mmvq)|copy bandwidth|passed|failed"
     timeout 150 python3 -m pytest tests/kernels/test_mmvq.py -q -p no:cacheprovider 2>&1 | tail -3
+    ;;
+  s7e)  # tiny-pair step phases (sampled at T=1, prose, copy); the 30B greedy and sampled
+    for t in 1.0 0; do
+      k=prose; [[ $t == 0 ]] && k="prose copy"
+      for kind in $k; do
+        timeout 130 python3 bench/spec_phases.py --kind $kind --rounds 6 --temperature $t \
+          --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" \
+          | tee "$out/phases_${kind}_t$t.txt"
+      done
+    done
+    synth qwen3-30b-a3b q30
+    for t in 0 1.0; do
+      bench "q30_t$t" 120 /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 128 \
+        --decode-depths 0 --decode-tokens 48 --repeats 3 --concurrency 1,8,16,32 \
+        --concurrency-prompt 128 --temperature $t
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
