@@ -170,8 +170,9 @@ def build_sm90(kernel, qtype: int, m_block: int, block_n: int, g: int, groups: i
 
     ptrs = {"q_ptr": "*i32", "d_ptr": "*fp32", "s_ptr": "*fp32", "w_ptr": "*u8", "out_ptr": "*fp32"}
     ints = ("M", "N", "stride_qm", "stride_dm", "stride_wn", "stride_os", "stride_om")
+    # PDL on, as every launch on sm_90 has it (`pdl.pdl_args`)
     consts = {"GROUPS_PER_SPLIT": groups, "QTYPE": qtype, "BLOCK_N": block_n,
-              "M_BLOCK": m_block, "G": g, "ASM": True}  # fmt: skip
+              "M_BLOCK": m_block, "G": g, "ASM": True, "PDL": True}  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     names = list(sig)
     aligned = [*ptrs, *ints[2:]]  # pointers and strides: multiples of 16, as at launch

@@ -66,14 +66,19 @@ def prmt(a, b, c, ASM: tl.constexpr):
 
 @triton.jit
 def lookup16(codes, T0, T1, T2, T3, ASM: tl.constexpr):
-    """The int8 table entries (table in T0..T3: `_int8_table`) of the four 4-bit codes in bits
-    0..15 of `codes`, as the bytes of one int32 (code i -> byte i): the entry from the low and
-    from the high half of the table, then per byte the one that bit 3 of the code picks."""
-    sel = codes & 0x7777
+    """Int8 table entries (table in T0..T3: `_int8_table`) of the eight 4-bit codes of the int32
+    `codes`, as two int32 of four bytes each: codes 0-3 (bits 0..15; code i -> byte i), then
+    codes 4-7. Per four codes, the entry from the low and from the high half of the table, then
+    per byte the one that bit 3 of the code picks (prmt reads bits 0..15 of its selector, so
+    each mask serves both halves of the word, shifted)."""
+    sel = codes & 0x77777777
+    pick = ((codes >> 1) & 0x44444444) | 0x32103210  # byte i of lo, or of hi where bit 3
     z = tl.zeros(codes.shape, tl.int32)
-    lo = prmt(z + T0, z + T1, sel, ASM)
-    hi = prmt(z + T2, z + T3, sel, ASM)
-    return prmt(lo, hi, ((codes >> 1) & 0x4444) | 0x3210, ASM)
+    t0, t1, t2, t3 = z + T0, z + T1, z + T2, z + T3
+    e = prmt(prmt(t0, t1, sel, ASM), prmt(t2, t3, sel, ASM), pick, ASM)
+    sel = sel >> 16
+    o = prmt(prmt(t0, t1, sel, ASM), prmt(t2, t3, sel, ASM), pick >> 16, ASM)
+    return e, o
 
 
 @triton.jit
@@ -123,15 +128,13 @@ def _code_row(rows, sb, b, okw, jp, x0, x1, QTYPE: tl.constexpr, ASM: tl.constex
     elif QTYPE == IQ4_NL:  # as Q4_0, codes into IQ4_NL_VALUES
         hp = (rows + blk * 18).to(tl.pointer_type(tl.int16))
         q = word16(hp + 1 + 2 * jp, okw)
-        e = lookup16(q, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
-        o = lookup16(q >> 16, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
+        e, o = lookup16(q, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
         s = dp4a(e, x0, dp4a(o, x1, z, ASM), ASM)
         dv = f16_at(rows + blk * 18 + 0 * jp, okw & (jp == 0))
     elif QTYPE == MXFP4:  # 17 bytes: E8M0 e | qs[16], codes into FP4_E2M1_X2_VALUES
         p = rows + blk * 17
         q = word8(p + 1 + 4 * jp, okw)
-        e = lookup16(q, FP4_T0, FP4_T1, FP4_T2, FP4_T3, ASM)
-        o = lookup16(q >> 16, FP4_T0, FP4_T1, FP4_T2, FP4_T3, ASM)
+        e, o = lookup16(q, FP4_T0, FP4_T1, FP4_T2, FP4_T3, ASM)
         s = dp4a(e, x0, dp4a(o, x1, z, ASM), ASM)
         ev = tl.load(p + 0 * jp, mask=okw & (jp == 0), other=0).to(tl.int32)
         dv = tl.where(jp == 0, _e8m0_half(ev), 0.0)
@@ -141,8 +144,7 @@ def _code_row(rows, sb, b, okw, jp, x0, x1, QTYPE: tl.constexpr, ASM: tl.constex
         # sub-block b's 6-bit scale: nibble b of scales_l | bits 2b, 2b + 1 of scales_h << 4.
         wp = (rows + sb * 136).to(tl.pointer_type(tl.int32))  # [R, 1, 1, 1]
         q = tl.load(wp + 2 + 4 * b + jp, mask=okw, other=0)
-        e = lookup16(q, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
-        o = lookup16(q >> 16, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
+        e, o = lookup16(q, IQ4_T0, IQ4_T1, IQ4_T2, IQ4_T3, ASM)
         s = dp4a(e, x0, dp4a(o, x1, z, ASM), ASM)
         hdr = tl.load(wp + jp, mask=okw & (jp < 2), other=0)  # words 0, 1 at jp = 0, 1
         w0 = _pick(hdr, jp, 0)  # d | scales_h << 16
