@@ -300,13 +300,13 @@ def cases(only: set[str], quick: bool):
             if qtype not in CODE_TYPES:
                 yield bench_matmul, ("gemv", 1, 12288, 4096, qtype, bf16)
         # The 4-bit code types: the float GEMV (their path before `mmvq_codes`) beside mmvq at
-        # one row, and mmvq beside the tiled GEMM (their path from 3 rows) at two.
+        # one row, and mmvq beside the tiled GEMM (their path from 3 rows) at 2, 4 and 8.
         for qtype in (T.Q4_0,) if quick else CODE_TYPES:
             yield bench_matmul, ("gemv", 1, 12288, 4096, qtype, bf16)
             yield bench_matmul, ("mmvq", 1, 12288, 4096, qtype, bf16)
-            if not quick:
-                yield bench_matmul, ("mmvq", 2, 12288, 4096, qtype, bf16)
-                yield bench_matmul, ("gemm", 2, 12288, 4096, qtype, bf16)
+            for m in () if quick else (2, 4, 8):
+                yield bench_matmul, ("mmvq", m, 12288, 4096, qtype, bf16)
+                yield bench_matmul, ("gemm", m, 12288, 4096, qtype, bf16)
         for m in () if quick else (4, 8):  # the GEMV's own multi-row path, for comparison
             yield bench_matmul, ("gemv", m, 12288, 4096, T.Q4_K, bf16)
         yield bench_matmul, ("gemv", 1, 4096, 4096, T.Q4_K, f32)

@@ -2,6 +2,7 @@
 
 Usage (repository root):
     python bench/mmvq_sweep.py [--quick] [--reps 20]   # on a CUDA GPU: < 90 s on an H200
+    python bench/mmvq_sweep.py --types IQ4_XS,Q4_0     # on a GPU: these types, two shapes
     python bench/mmvq_sweep.py --asm [--types Q4_0,IQ4_NL]  # no GPU needed: the sm_90 build
 
 GPU mode. Shapes: Qwen3-30B-A3B fused q/k/v (N=5120 K=2048), o_proj (2048 x 4096) and the Q6_K
@@ -81,7 +82,15 @@ def m_block(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def run_gpu(quick: bool, reps: int) -> int:
+def code_shapes(qtypes: list[GGMLQuantizationType]) -> list[tuple[str, str, int, int, T]]:
+    """The timed sweep's shapes for types outside the models' mix (`--types`): an 8B-sized
+    fused q/k/v and gate+up-like matrix (6144 x 4096, 12288 x 4096) per type."""
+    return [
+        ("any", name, n, 4096, t) for t in qtypes for name, n in (("6144", 6144), ("12288", 12288))
+    ]
+
+
+def run_gpu(quick: bool, reps: int, shapes: list | None = None) -> int:
     import torch
     from kernels_gpu import copies_for, copy_bandwidth, graph_time_us, random_qtensor, rel_err
 
@@ -99,7 +108,8 @@ def run_gpu(quick: bool, reps: int) -> int:
     print(f"device: {props.name}, {sms} SMs; copy bandwidth {copy_gbs:,.0f} GB/s (read + write)")
     print("us: the mmvq launch alone (activations quantized beforehand), cold weights\n")
     best_lines, wins, failed = [], {"tile": 0, "once": 0}, 0
-    shapes = SHAPES[:3] if quick else SHAPES
+    if shapes is None:
+        shapes = SHAPES[:3] if quick else SHAPES
     for model, name, n, k, qtype in shapes:
         w = random_qtensor(qtype, (n, k), gen)
         copies = [w] + [QTensor(w.data.clone(), qtype, w.shape) for _ in
@@ -222,17 +232,23 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20, help="graph replays per timing")
     parser.add_argument("--asm", action="store_true", help="sm_90 build check, no GPU")
     parser.add_argument(
-        "--types", default="Q4_K,Q5_K,Q6_K,Q8_0", help="--asm: comma list of GGML type names"
+        "--types",
+        default=None,
+        help="comma list of GGML type names: with --asm the types built (default Q4_K,Q5_K,"
+        "Q6_K,Q8_0); on a GPU, time these types at two 8B-sized shapes instead of the models'",
     )
     args = parser.parse_args()
-    if args.asm:
+    qtypes = None
+    if args.types is not None or args.asm:
         from moestream.kernels.ops import MMVQ_DENSE_QTYPES
 
-        qtypes = [T[name] for name in args.types.split(",") if name in T.__members__]
-        if len(qtypes) != len(args.types.split(",")) or not set(qtypes) <= MMVQ_DENSE_QTYPES:
+        names = (args.types or "Q4_K,Q5_K,Q6_K,Q8_0").split(",")
+        qtypes = [T[name] for name in names if name in T.__members__]
+        if len(qtypes) != len(names) or not set(qtypes) <= MMVQ_DENSE_QTYPES:
             parser.error(f"--types: names from {sorted(t.name for t in MMVQ_DENSE_QTYPES)}")
+    if args.asm:
         return run_asm(qtypes)
-    return run_gpu(args.quick, args.reps)
+    return run_gpu(args.quick, args.reps, None if qtypes is None else code_shapes(qtypes))
 
 
 if __name__ == "__main__":

@@ -81,12 +81,15 @@
 #                                        of every type on both paths; mmvq GPU tests
 #   bench/scripts/gpu_figures.sh s7e     tiny-pair step phases (sampled, prose, copy); 30B-A3B
 #                                        decode and concurrency, greedy and sampled
+#   bench/scripts/gpu_figures.sh s7f     mmvq GPU tests; dense GEMV of every type, the code types'
+#                                        mmvq against the tiled GEMM at 1-8 rows; their launch
+#                                        shapes
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -570,6 +573,15 @@ PY
         --decode-depths 0 --decode-tokens 48 --repeats 3 --concurrency 1,8,16,32 \
         --concurrency-prompt 128 --temperature $t
     done
+    ;;
+  s7f)  # the mmvq GPU tests; the dense GEMV of every type (float path, mmvq and the tiled GEMM
+    # of the 4-bit code types at 1-8 rows)
+    timeout 150 python3 -m pytest tests/kernels/test_mmvq.py tests/kernels/test_invariant_ops.py \
+      -q -p no:cacheprovider 2>&1 | tail -3
+    timeout 150 python3 bench/kernels_gpu.py --only gemv 2>&1 | tee "$out/kernels_gemv.log" \
+      | grep -E "^\| (gemv|mmvq|gemm)|copy bandwidth|passed|failed"
+    timeout 240 python3 bench/mmvq_sweep.py --types Q4_0,IQ4_NL,IQ4_XS,MXFP4 2>&1 \
+      | tee "$out/mmvq_sweep_codes.log" | sed -n '/^best per shape/,$p'
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
