@@ -152,11 +152,20 @@ def _check_q8(xa: Q8Act, m: int, k: int) -> None:
         raise ValueError(f"xa holds [{xa.rows}, {xa.k}] quantized activations, x is [{m}, {k}]")
 
 
+def _mmvq_most_rows(qtype: GGMLQuantizationType) -> int:
+    """Most rows a dense matmul of `qtype` (in MMVQ_DENSE_QTYPES) sends to mmvq: below
+    MMQ_MIN_M where the int8 tensor-core kernel takes over (MMVQ_QTYPES); MMVQ_MAX_M for the
+    4-bit code types, which have no such kernel and whose next path, the tiled GEMM, was 2.3-5.3x
+    slower up to 8 rows (H200, N=12288 K=4096, 2026-11-30: mmvq 18-44 us against 102-145 us at
+    1-8 rows; bench/kernels_gpu.py --only gemv)."""
+    return MMQ_MIN_M - 1 if qtype in MMVQ_QTYPES else MMVQ_MAX_M
+
+
 def _matmul_path(x2: torch.Tensor, w: QTensor) -> str:
     """The kernel `quant_matmul` runs for x2 [M, K] on the kernel path outside batch-invariant
     mode: "mmvq", "dequant", "mmq", "gemv" or "gemm" (see `quant_matmul`)."""
     m = x2.shape[0]
-    if m < MMQ_MIN_M and w.qtype in MMVQ_DENSE_QTYPES:
+    if w.qtype in MMVQ_DENSE_QTYPES and m <= _mmvq_most_rows(w.qtype):
         return "mmvq"
     if m >= DEQUANT_MIN_M or (m >= CACHED_MIN_M and w.values_in(x2.dtype) is not None):
         return "dequant"  # a bf16 copy (cached by `--weight-cache-gib`, or made now), cuBLAS
@@ -182,7 +191,8 @@ def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.
     """y [..., N] = x [..., K] @ W.T for a weight W [N, K] kept in its GGUF block format.
 
     On the kernel path, weights in MMVQ_DENSE_QTYPES take the integer-dot decode kernel below
-    MMQ_MIN_M rows, those in MMVQ_QTYPES the int8 tensor-core kernel from there to
+    MMQ_MIN_M rows (the 4-bit code types up to MMVQ_MAX_M), those in MMVQ_QTYPES the int8
+    tensor-core kernel from there to
     DEQUANT_MIN_M; up to GEMV_MAX_M rows of other types go to the float GEMV; from
     DEQUANT_MIN_M rows to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM;
     in batch-invariant mode `invariant_quant_matmul` (and fixed row chunks for other weights).

@@ -182,16 +182,17 @@ def test_mmvq_once_code_types_batch_invariance(qtype: GGMLQuantizationType) -> N
 
 @pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
 def test_code_types_take_mmvq_for_dense_decode_only(monkeypatch, qtype) -> None:
-    """Dense matmuls of 1-2 rows take mmvq on the norm's q8 rows (the default config: once),
-    3 rows the float GEMM, 32 the bf16 copy; the MoE paths keep the float kernels."""
+    """Dense matmuls of 1-8 rows take mmvq on the norm's q8 rows (the default config: once),
+    9 rows the float GEMM, 32 the bf16 copy; the MoE paths keep the float kernels."""
     from moestream.kernels import moe
 
     monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)  # CPU tensors: interpreter
     w = random_blocks(qtype, 6, 256, seed=1)
-    x = activations(3, 256, torch.float32, seed=2)
-    assert [ops._matmul_path(x[:m], w) for m in (1, 2, 3)] == ["mmvq", "mmvq", "gemm"]
+    x = activations(9, 256, torch.float32, seed=2)
+    paths = [ops._matmul_path(x[:m], w) for m in (1, 2, 3, 8, 9)]
+    assert paths == ["mmvq"] * 4 + ["gemm"]
     assert ops._matmul_path(torch.zeros(ops.DEQUANT_MIN_M, 256), w) == "dequant"
-    assert ops.takes_q8(x[:2], w) and not ops.takes_q8(x, w)
+    assert ops.takes_q8(x[:8], w) and not ops.takes_q8(x, w)
     assert torch.equal(ops.quant_matmul(x[:2], w), mmvq(quantize_q8(x[:2]), w))
     with ops.batch_invariant():
         assert ops.takes_q8(x, w)
