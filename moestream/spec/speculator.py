@@ -374,12 +374,12 @@ class Speculator:
         that the picker re-prices it. A round whose free proposers have nothing then asks
         the picker nothing (~50-100 us of planning in Python, which loops over each model
         arm's draft lengths: 4.6% of a 0.23 ms step of the tiny pair on the H200 with
-        `auto`)."""
+        `auto`). With `SpecConfig.always` every model arm is offered (drafting is forced)."""
         out = []
         for name, p in self.proposers.items():
             if not p.costs_forward:
                 continue
-            if self.picker.arm_priced_out(name, num_requests):
+            if not self.config.always and self.picker.arm_priced_out(name, num_requests):
                 withheld = self._withheld.get(name, 0) + 1
                 if withheld < IDLE_PRICED_OUT_SKIP:
                     self._withheld[name] = withheld

@@ -269,6 +269,10 @@ def test_a_priced_out_model_arm_is_withheld_from_the_picker():
     for _ in range(2 * IDLE_PRICED_OUT_SKIP):
         assert spec.propose(inputs) == {}
     assert asked == [[["draft"]], [["draft"]]]  # re-offered twice, at rounds N and 2N
+    # forced drafting (`always`) offers it whatever its price
+    forced = Speculator(SpecConfig(mode="auto", always=True), [NgramProposer(), ModelArm()])
+    forced.picker = spec.picker
+    assert forced._offered_model_arms(1) == ["draft"]
 
 
 # ---- measurements --------------------------------------------------------------------------
