@@ -334,6 +334,11 @@ def cases(only: set[str], quick: bool):
                 yield bench_matmul, ("cached", m, n, k, qtype, bf16)
         for t in (8, 16, 32, 64, 512, 4096):
             yield bench_moe_cached, (t, (T.Q4_K, T.Q6_K), bf16, "dequant")
+    if "moecodes" in only:  # 4-bit code type experts: the grouped path against the float one
+        for mix in ((T.IQ4_XS, T.IQ4_XS), (T.Q4_0, T.Q4_0), (T.MXFP4, T.MXFP4)):
+            for t in (1,) if quick else (1, 8, 32):
+                yield bench_moe, (t, mix, bf16)
+                yield bench_moe, (t, mix, bf16, "gemv")
     if "moe" in only:
         mix = (T.Q4_K, T.Q6_K)
         for t in (1, 8) if quick else (1, 4, 8, 16, 32, 512, 4096):
@@ -750,7 +755,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="mmvq,gemv,gemm,moe",
-        help="comma list of mmvq, gemv, gemm, moe, dequant, cached",
+        help="comma list of mmvq, gemv, gemm, moe, moecodes, dequant, cached",
     )
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
     parser.add_argument("--sweep", action="store_true", help="tune the decode MMVQ config")

@@ -84,12 +84,14 @@
 #   bench/scripts/gpu_figures.sh s7f     mmvq GPU tests; dense GEMV of every type, the code types'
 #                                        mmvq against the tiled GEMM at 1-8 rows; their launch
 #                                        shapes
+#   bench/scripts/gpu_figures.sh s7g     grouped MoE GPU tests; 4-bit code type experts, grouped
+#                                        against float; tiny-pair sampled step phases
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -582,6 +584,15 @@ PY
       | grep -E "^\| (gemv|mmvq|gemm)|copy bandwidth|passed|failed"
     timeout 240 python3 bench/mmvq_sweep.py --types Q4_0,IQ4_NL,IQ4_XS,MXFP4 2>&1 \
       | tee "$out/mmvq_sweep_codes.log" | sed -n '/^best per shape/,$p'
+    ;;
+  s7g)  # the grouped MoE's GPU tests (4-bit code types included); code-type experts, grouped
+    # against the float path; the tiny pair's sampled step phases, 10 rounds
+    timeout 170 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider 2>&1 \
+      | tail -3
+    timeout 150 python3 bench/kernels_gpu.py --only moecodes 2>&1 | tee "$out/kernels_moecodes.log" \
+      | grep -E "^\| moe|copy bandwidth|passed|failed"
+    timeout 150 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
+      --modes plain,plain#2,draft,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

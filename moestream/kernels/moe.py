@@ -46,7 +46,7 @@ import triton.language as tl
 
 from moestream.kernels import moe_mmvq
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
-from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act
+from moestream.kernels.mmvq import MMVQ_DENSE_QTYPES, MMVQ_QTYPES, Q8Act
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, fused_moe_mmvq
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
@@ -197,14 +197,16 @@ def default_method(
 ) -> str:
     """The path for A assignments: where all three types are MMVQ_QTYPES, integer-dot "grouped"
     from GROUPED_MIN_ASSIGNMENTS to GROUPED_MAX_ASSIGNMENTS, "mmvq" below it (up to
-    MMVQ_DEFAULT_MAX_ASSIGNMENTS) and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; else
-    the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant" (bf16 weights and torch's
-    grouped GEMM) where `dequant_mm.grouped_mm_available` for x (bfloat16 on CUDA) and the
-    layer's bf16 copies (`num_experts` experts, default the stacks' slots) fit
-    DEQUANT_MAX_SCRATCH_BYTES, else the grouped Triton GEMM. With cached bf16 copies of all
-    three stacks (`--weight-cache-gib`), "dequant" from MMVQ_DEFAULT_MAX_ASSIGNMENTS + 1 on (no
-    dequantizing left: the grouped GEMM reads the copies). Depends on (A, types, device, dtype,
-    caches) only, never on the routing (row results stay independent of other tokens' experts).
+    MMVQ_DEFAULT_MAX_ASSIGNMENTS) and int8 tensor-core "mmq" up to MMQ_MAX_ASSIGNMENTS; where
+    they are MMVQ_DENSE_QTYPES with a 4-bit code type among them, "grouped" up to
+    GROUPED_MAX_ASSIGNMENTS; else the float "gemv" up to GEMV_MAX_ASSIGNMENTS; above, "dequant"
+    (bf16 weights and torch's grouped GEMM) where `dequant_mm.grouped_mm_available` for x
+    (bfloat16 on CUDA) and the layer's bf16 copies (`num_experts` experts, default the stacks'
+    slots) fit DEQUANT_MAX_SCRATCH_BYTES, else the grouped Triton GEMM. With cached bf16 copies
+    of all three stacks (`--weight-cache-gib`), "dequant" from MMVQ_DEFAULT_MAX_ASSIGNMENTS + 1
+    on (no dequantizing left: the grouped GEMM reads the copies). Depends on (A, types, device,
+    dtype, caches) only, never on the routing (row results stay independent of other tokens'
+    experts).
     """
     if (
         a > MMVQ_DEFAULT_MAX_ASSIGNMENTS
@@ -220,6 +222,10 @@ def default_method(
             return "mmvq"
         if a <= MMQ_MAX_ASSIGNMENTS:
             return "mmq"
+    elif a <= GROUPED_MAX_ASSIGNMENTS and all(
+        w.qtype in MMVQ_DENSE_QTYPES for w in (gate, up, down)
+    ):
+        return "grouped"  # a 4-bit code type among them: no mmvq or mmq MoE kernel reads those
     if a <= GEMV_MAX_ASSIGNMENTS:
         return "gemv"
     if x is not None and _dequant_ok(x):

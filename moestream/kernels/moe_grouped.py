@@ -1,6 +1,9 @@
 """The "grouped" path of the fused MoE FFN (`moe.fused_moe`): batched decode (tens of tokens)
 with integer dot products on q8 activations, for Q4_K/Q5_K/Q6_K/Q8_0 experts
-(`mmvq.MMVQ_QTYPES`), each expert's weights read once per block of its assignments.
+(`mmvq.MMVQ_QTYPES`) and the 4-bit code types Q4_0/IQ4_NL/IQ4_XS/MXFP4 (`mmvq_codes`: for
+them it is the integer-dot path at every batch size up to GROUPED_MAX_ASSIGNMENTS, since the
+other MoE kernels do not read them), each expert's weights read once per block of its
+assignments.
 
 At 16-32 tokens a layer's 128-256 assignments touch most of its 128 experts, two or so each.
 The "mmvq" path runs a program per assignment, so an expert's weights are read once per
@@ -32,7 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, quantize_q8, tree_sum, use_asm
+from moestream.kernels.mmvq import (
+    MMVQ_DENSE_QTYPES,
+    WORD_BYTES,
+    Q8Act,
+    quantize_q8,
+    tree_sum,
+    use_asm,
+)
 from moestream.kernels.mmvq_once import _once_step, capped_warps, runs_per_group
 from moestream.kernels.moe_align import align_blocks
 from moestream.kernels.moe_mmvq import check_xa
@@ -194,8 +204,12 @@ def moe_grouped(
     """The "grouped" path of `moe.fused_moe` (arguments checked there; expert_slot required)
     -> out [T, H] in x's dtype. `xa`: x's q8 blocks when the caller has them (else made
     here)."""
-    if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
-        raise ValueError("grouped: gate, up and down must be of MMVQ_QTYPES")
+    if not all(w.qtype in MMVQ_DENSE_QTYPES for w in (gate, up, down)):
+        raise ValueError("grouped: gate, up and down must be of MMVQ_DENSE_QTYPES")
+    for w in (gate, up, down):
+        align = WORD_BYTES[w.qtype]
+        if w.data.data_ptr() % align or w.data.stride(0) % align or w.data.stride(1) % align:
+            raise ValueError(f"grouped: {w.qtype.name} rows must be {align}-byte aligned")
     if expert_slot is None:
         raise ValueError("grouped: needs expert_slot")
     t, h = x.shape

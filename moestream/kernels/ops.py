@@ -318,10 +318,10 @@ def moe_takes_q8(
     then a Q8Act of x passed as `xa` saves that launch."""
     if not (moe_kernel_path(x, gate, up, down) and x.dim() == 2 and len(gate.shape) == 3):
         return False
-    if x.shape[0] == 0 or not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
+    if x.shape[0] == 0 or not all(w.qtype in MMVQ_DENSE_QTYPES for w in (gate, up, down)):
         return False
     if batch_invariant_enabled():
-        return True
+        return all(w.qtype in MMVQ_QTYPES for w in (gate, up, down))  # `invariant_moe`'s mmvq
     from moestream.kernels.moe import default_method
 
     method = default_method(x.shape[0] * top_k, gate, up, down, x, num_experts)

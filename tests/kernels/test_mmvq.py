@@ -181,9 +181,9 @@ def test_mmvq_once_code_types_batch_invariance(qtype: GGMLQuantizationType) -> N
 
 
 @pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
-def test_code_types_take_mmvq_for_dense_decode_only(monkeypatch, qtype) -> None:
+def test_code_types_take_mmvq_for_dense_decode_and_grouped_moe(monkeypatch, qtype) -> None:
     """Dense matmuls of 1-8 rows take mmvq on the norm's q8 rows (the default config: once),
-    9 rows the float GEMM, 32 the bf16 copy; the MoE paths keep the float kernels."""
+    9 rows the float GEMM, 32 the bf16 copy; the MoE takes the grouped path."""
     from moestream.kernels import moe
 
     monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)  # CPU tensors: interpreter
@@ -198,8 +198,9 @@ def test_code_types_take_mmvq_for_dense_decode_only(monkeypatch, qtype) -> None:
         assert ops.takes_q8(x, w)
     stack = random_blocks(qtype, 6, 256, seed=3)
     stack = QTensor(stack.data.view(2, 3, -1), qtype, (2, 3, 256))
-    assert not ops.moe_takes_q8(x, 2, stack, stack, stack, 2)
-    assert moe.default_method(4, stack, stack, stack) == "gemv"
+    # the MoE: the grouped path (tests/kernels/test_moe_grouped.py), on the norm's q8 rows
+    assert ops.moe_takes_q8(x, 2, stack, stack, stack, 2)
+    assert moe.default_method(4, stack, stack, stack) == "grouped"
 
 
 def test_other_types_keep_their_paths(monkeypatch) -> None:

@@ -20,17 +20,46 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from moestream.kernels import moe as moe_module  # noqa: E402
 from moestream.kernels import moe_grouped as grouped_module  # noqa: E402
-from moestream.kernels.mmvq import quantize_q8  # noqa: E402
+from moestream.kernels.mmvq import MMVQ_QTYPES, quantize_q8  # noqa: E402
 from moestream.kernels.moe import default_method, fused_moe  # noqa: E402
 from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config, moe_grouped  # noqa: E402
 from moestream.kernels.moe_mmvq import moe_mmvq_ref  # noqa: E402
+from moestream.weights.qtensor import QTensor  # noqa: E402
 from tests.kernels.test_moe_kernel import rel_err, routing, stacked  # noqa: E402
-from tests.kernels.test_quant_matmul import activations  # noqa: E402
+from tests.kernels.test_quant_matmul import activations, random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
 H, FF = 256, 256  # hidden, expert FFN: one group of 256 each
 E, S = 6, 5  # experts, weight slots: expert 5 has no slot and is never routed to
 SLOT = [3, 0, 4, 1, 2, -1]  # a permutation of the slots
+
+
+def code_stack(qtype: GGMLQuantizationType, shape: tuple[int, int, int], seed: int) -> QTensor:
+    """Random expert blocks [S, out, in] of a 4-bit code type (no quantizer for all of them
+    here): `random_blocks` rows, stacked."""
+    s, n, k = shape
+    w = random_blocks(qtype, s * n, k, seed=seed)
+    return QTensor(w.data.view(s, n, -1), qtype, shape)
+
+
+@pytest.mark.parametrize(
+    "qtypes", [(T.Q4_0, T.IQ4_XS, T.MXFP4), (T.IQ4_NL, T.Q4_0, T.IQ4_XS)], ids=["a", "b"]
+)
+def test_moe_grouped_reads_the_4_bit_code_types(qtypes) -> None:
+    """Q4_0, IQ4_NL, IQ4_XS and MXFP4 experts (the dense "once" step's code types): against
+    the mmvq reference, and the default path for them from one token on."""
+    gate = code_stack(qtypes[0], (S, FF, H), seed=1)
+    up = code_stack(qtypes[1], (S, FF, H), seed=2)
+    down = code_stack(qtypes[2], (S, H, FF), seed=3)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[2], [2]], device=DEVICE)
+    weights = torch.tensor([[0.75], [0.5]], device=DEVICE)
+    x = activations(2, H, torch.float32, seed=4) * 0.02  # random blocks' scales reach 1
+    out = torch.full((2, H), float("nan"), device=DEVICE)
+    moe_grouped(x, ids, weights, gate, up, down, slot, out, MoeGroupedConfig(block_m=2))
+    assert rel_err(out, moe_mmvq_ref(x, ids, weights, gate, up, down, slot)) < 2e-3
+    assert [default_method(a, gate, up, down) for a in (1, 8, 512)] == ["grouped"] * 3
+    assert default_method(513, gate, up, down) != "grouped"
 
 
 def test_moe_grouped_matches_reference_and_a_rows_bits_do_not_depend_on_its_place() -> None:
@@ -62,13 +91,20 @@ def test_moe_grouped_matches_reference_and_a_rows_bits_do_not_depend_on_its_plac
         ((T.Q6_K, T.Q6_K, T.Q8_0), 9, 3, [0, 1, 2, 3, 4], MoeGroupedConfig(block_m=2)),
         ((T.Q4_K, T.Q4_K, T.Q6_K), 7, 2, [0, 1, 2, 3, 4], MoeGroupedConfig(block_m=1)),
         ((T.Q5_K, T.Q4_K, T.Q5_K), 12, 2, [0, 4], MoeGroupedConfig(block_m=16, up_groups=1)),
+        ((T.IQ4_XS, T.IQ4_NL, T.Q4_0), 6, 2, [0, 1, 2, 3, 4], MoeGroupedConfig()),
+        ((T.MXFP4, T.MXFP4, T.IQ4_XS), 1, 2, [0, 3], MoeGroupedConfig(block_m=2)),
     ],
 )
 def test_moe_grouped_shapes_match_reference(qtypes, t, k, experts, cfg) -> None:
     h = 2048  # 8 groups: K loops of several steps
-    gate = stacked(qtypes[0], (S, FF, h), seed=1)
-    up = stacked(qtypes[1], (S, FF, h), seed=2)
-    down = stacked(qtypes[2], (S, h, FF), seed=3)
+
+    def weights_of(qtype, shape, seed):
+        maker = stacked if qtype in MMVQ_QTYPES else code_stack
+        return maker(qtype, shape, seed=seed)
+
+    gate = weights_of(qtypes[0], (S, FF, h), seed=1)
+    up = weights_of(qtypes[1], (S, FF, h), seed=2)
+    down = weights_of(qtypes[2], (S, h, FF), seed=3)
     slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
     ids, weights = routing(t, k, experts, seed=t)
     x = activations(t, h, torch.float32, seed=t + 1)
@@ -100,8 +136,13 @@ def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch
     monkeypatch.undo()
     # two assignments a block up to 2.5 an expert on average, four above
     assert [grouped_config(a, 128).block_m for a in (128, 256, 320, 321, 512)] == [2, 2, 2, 4, 4]
-    with pytest.raises(ValueError, match="MMVQ_QTYPES"):
+    with pytest.raises(ValueError, match="MMVQ_DENSE_QTYPES"):
         moe_grouped(x, ids, weights, gate, gate, q2, slot, torch.empty_like(x))
+    buf = torch.empty(gate.data.numel() + 2, dtype=torch.uint8, device=DEVICE)
+    buf[2:] = gate.data.reshape(-1)
+    odd = QTensor(buf[2:].view(gate.data.shape), T.Q4_K, gate.shape)  # 2 bytes off: not 4
+    with pytest.raises(ValueError, match="aligned"):
+        moe_grouped(x, ids, weights, gate, gate, odd, slot, torch.empty_like(x))
     with pytest.raises(ValueError, match="expert_slot"):
         moe_grouped(x, ids, weights, gate, gate, gate, None, torch.empty_like(x))
     with pytest.raises(ValueError, match="q8 blocks"):  # the caller's q8 of another x
