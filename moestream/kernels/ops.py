@@ -14,11 +14,11 @@ result is computed by the same kernels in the same shapes whatever else is in th
 greedy text cannot change with concurrency, chunk size or prefix hits. Quantized matmuls of
 MMVQ_DENSE_QTYPES run the integer-dot decode kernel on chunks of at most MMVQ_MAX_M rows (its row
 results do not depend on the chunk: tested), other quantized types the float GEMV one row at a
-time, float weights in fixed chunks of
-INVARIANT_ROWS rows (zero-padded, so cuBLAS always sees one shape), and the fused MoE its
-integer-dot path on chunks of at most INVARIANT_MOE_TOKENS tokens (one token at a time for other
-types). Prefill pays for it: the weights are read once per chunk instead of once per step. On
-the CPU the reference paths are batch-invariant already (`layers.linear`).
+time, float weights in fixed chunks of INVARIANT_ROWS rows (zero-padded, so cuBLAS always sees
+one shape), and the fused MoE its integer-dot path on chunks of at most INVARIANT_MOE_TOKENS
+tokens for MMVQ_QTYPES (one token at a time for other types). Prefill pays for it: the weights
+are read once per chunk instead of once per step. On the CPU the reference paths are
+batch-invariant already (`layers.linear`).
 """
 
 from __future__ import annotations
@@ -192,10 +192,10 @@ def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.
 
     On the kernel path, weights in MMVQ_DENSE_QTYPES take the integer-dot decode kernel below
     MMQ_MIN_M rows (the 4-bit code types up to MMVQ_MAX_M), those in MMVQ_QTYPES the int8
-    tensor-core kernel from there to
-    DEQUANT_MIN_M; up to GEMV_MAX_M rows of other types go to the float GEMV; from
-    DEQUANT_MIN_M rows to a bf16 copy of the weight and cuBLAS, between them to the tiled GEMM;
-    in batch-invariant mode `invariant_quant_matmul` (and fixed row chunks for other weights).
+    tensor-core kernel from there to DEQUANT_MIN_M; up to GEMV_MAX_M rows of other types go to
+    the float GEMV; from DEQUANT_MIN_M rows to a bf16 copy of the weight and cuBLAS, between
+    them to the tiled GEMM; in batch-invariant mode `invariant_quant_matmul` (and fixed row
+    chunks for other weights).
 
     `xa`: x's rows (flattened to [M, K]) already rounded by `kernels.mmvq.quantize_q8` (bit for
     bit its output); the integer-dot kernels then use it instead of quantizing x (`takes_q8`
