@@ -49,6 +49,7 @@ class Clock:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
+        self.rounds = 0
         self.gc_seconds = 0.0
         self.gc_count = 0
         self._gc_start = 0.0
@@ -56,6 +57,7 @@ class Clock:
     def reset(self) -> None:
         self.seconds.clear()
         self.steps = 0
+        self.rounds = 0
         self.gc_seconds = 0.0
         self.gc_count = 0
 
@@ -101,6 +103,13 @@ def instrument(engine: Any, clock: Clock) -> None:
 def instrument_speculator(spec: Any, clock: Clock) -> None:
     spec.observe = clock.wrap(spec.observe, "observe")
     spec.record_step_time = clock.wrap(spec.record_step_time, "record")
+    propose = spec.propose
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        clock.rounds += 1  # a proposal round that reached the proposers (not skipped)
+        return propose(*args, **kwargs)
+
+    spec.propose = counted
     for p in spec.proposers.values():
         if p.costs_forward:  # a draft model's forwards (inside "propose")
             p.propose = clock.wrap(p.propose, "draft_forward")
@@ -178,6 +187,9 @@ def main() -> int:
             row["dropped"] = engine.runner.run_ahead_dropped - dropped  # per run
             spec = res["spec"]
             row["verify_steps"] = spec.verified.num_verify_steps if spec is not None else 0
+            row["rounds"] = clock.rounds  # per run
+            # host time of a round (the engine's `_propose_drafts`, draft forwards included)
+            row["round_us"] = clock.seconds["propose"] / clock.rounds * 1e6 if clock.rounds else 0
             tries = {
                 a: (v - arms.get(a, (0, 0))[0], x - arms.get(a, (0, 0))[1])
                 for a, (v, x) in arm_counts(specs[m]).items()
@@ -189,7 +201,7 @@ def main() -> int:
                 rows[m].append(row)
     cols = ["tok_s", "step_us", *[f"{k}_us" for k in PHASES], "other_us",
             *[f"{k}_us" for k in RUNNER_PARTS + SPEC_PARTS], "ahead", "dropped", "gc", "gc_ms",
-            "verify_steps"]  # fmt: skip
+            "verify_steps", "rounds", "round_us"]  # fmt: skip
     sampled = f", temperature {args.temperature}" if args.temperature > 0 else ""
     frozen = " gc frozen" if args.freeze else ""
     print(f"{args.kind} prompts{sampled}, {args.prompts} x {args.tokens} tokens, "
