@@ -22,7 +22,7 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from moestream.kernels.mmvq import quantize_q8  # noqa: E402
+from moestream.kernels.mmvq import MMVQ_DENSE_QTYPES, quantize_q8  # noqa: E402
 from moestream.kernels.moe import align_assignments, default_method, fused_moe  # noqa: E402
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, mmvq_counters, moe_mmvq_ref  # noqa: E402
 
@@ -130,8 +130,9 @@ def test_fused_moe_mmvq_matches_its_reference(experts, t, k, dtype):
     ids=lambda q: "-".join(t.name for t in q),
 )
 def test_fused_moe_other_types_take_the_float_paths(qtypes, method):
-    """Gate, up and down of types without integer-dot kernels (random blocks: every code and
-    scale) through the float paths, which `default_method` picks for them."""
+    """Gate, up and down of types without integer-dot MoE kernels (random blocks: every code
+    and scale) through the float paths, which `default_method` picks for them (but where all
+    three are 4-bit code types: the grouped path, tests/kernels/test_moe_grouped.py)."""
     from tests.kernels.test_quant_matmul import random_blocks
 
     def stack(qtype, f, h, seed):
@@ -140,7 +141,8 @@ def test_fused_moe_other_types_take_the_float_paths(qtypes, method):
 
     gate, up = stack(qtypes[0], FF, H, 1), stack(qtypes[1], FF, H, 2)
     down = stack(qtypes[2], H, FF, 3)
-    assert default_method(4, gate, up, down) == "gemv"
+    grouped = all(t in MMVQ_DENSE_QTYPES for t in qtypes)
+    assert default_method(4, gate, up, down) == ("grouped" if grouped else "gemv")
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(2, H, generator=g) * 1e-3).to(DEVICE)  # random blocks: values to ~5e4
     ids = torch.tensor([[0, 1], [1, 0]], device=DEVICE)
