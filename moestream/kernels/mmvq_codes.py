@@ -1,5 +1,6 @@
 """The "once" step of `mmvq` (`mmvq_once`) for the 4-bit code types Q4_0, IQ4_NL, IQ4_XS and
-MXFP4: dense decode matmuls only (the MoE kernels keep `ops.MMVQ_QTYPES`).
+MXFP4: dense decode matmuls, and the grouped MoE path (`moe_grouped`, through the same step);
+the other MoE kernels and `mmq` keep `ops.MMVQ_QTYPES`.
 
 All four hold 32 values per (sub-)block as 16 bytes of nibbles, value i in the low nibble of
 byte i and value 16 + i in the high nibble, with one scale per 32 values: Q4_0 d * (q - 8),

@@ -57,7 +57,8 @@ MMVQ_MAX_M = 8
 # Types of every integer-dot kernel: dense `mmvq` (both variants), the MoE's and `mmq`.
 MMVQ_QTYPES = frozenset({_Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.Q8_0})
 # Types of the dense decode kernel (`mmvq`, its "once" variant): MMVQ_QTYPES and the 4-bit code
-# types (`kernels.mmvq_codes`). They have no `mmq`: from MMQ_MIN_M rows they keep the float paths.
+# types (`kernels.mmvq_codes`). They have no `mmq`: `mmvq` up to MMVQ_MAX_M rows, then the float
+# paths (`_mmvq_most_rows`); in the MoE, the grouped path (`kernels.moe.default_method`).
 MMVQ_DENSE_QTYPES = MMVQ_QTYPES | {_Q.Q4_0, _Q.IQ4_NL, _Q.IQ4_XS, _Q.MXFP4}
 # Rows from which a quantized matmul dequantizes the weight to the activation dtype and calls
 # cuBLAS (`kernels.dequant_mm`) instead of the in-register dequantizing GEMM. H200, bf16
