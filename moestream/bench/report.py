@@ -55,9 +55,11 @@ def format_markdown(result: dict[str, Any], sections: tuple[Section, ...] = SECT
         return format_compare_markdown(result)
     cfg = result["config"]
     lines = ["# moestream bench", "", *_header(result)]
+    temperature = cfg.get("temperature", 0.0)  # results written before --temperature: greedy
+    sampling = f"sampled at temperature {temperature:g}" if temperature > 0 else "greedy"
     lines.append(
         f"- settings: repeats {cfg['repeats']}, warm-up {cfg['warmup']}, seed {cfg['seed']}, "
-        f"decode tokens {cfg['decode_tokens']}; prompts: {cfg['prompt_token_ids']}"
+        f"decode tokens {cfg['decode_tokens']} ({sampling}); prompts: {cfg['prompt_token_ids']}"
     )
     bw = result.get("copy_bandwidth")
     if bw and bw.get("gbps"):

@@ -110,6 +110,8 @@ def test_bench_run_schema(tiny_model: Path, tmp_path: Path) -> None:
     assert r["machine"]["device"] == "cpu" and r["machine"]["gpu"] is None
     assert isinstance(r["machine"]["cpu_cores_logical"], int)
     assert "bench" in r["run"]["command"] and r["run"]["date"]
+    assert r["config"]["temperature"] == 0.0
+    assert "(greedy)" in format_markdown(r)
     assert r["config"]["repeats"] == 2 and r["config"]["seed"] == 0
     assert r["config"]["engine"]["max_model_len"] == 64
     assert r["copy_bandwidth"]["source"] == "measured" and r["copy_bandwidth"]["gbps"] > 0
@@ -388,6 +390,7 @@ def test_bench_concurrency_sweep(tmp_path: Path) -> None:
         assert s["aggregate_tok_s"] > 0 and s["decode_s"] > 0
         assert abs(s["per_request_tok_s"] * r["concurrency"] - s["aggregate_tok_s"]) < 1e-6
     assert "## concurrency" in (out / "result.md").read_text()
+    assert "(sampled at temperature 0.7)" in (out / "result.md").read_text()
 
 
 def test_git_info_takes_a_stated_commit(tmp_path, monkeypatch) -> None:
