@@ -43,7 +43,7 @@ class ConcurrencySection:
             ids = [
                 engine.add_request(ctx.random_prompt(_SECTION_ID, ctx.config.concurrency_prompt,
                                                      run * 1000 + i),
-                                   decode_params(ctx.config, k + 1, run * 1000 + i))
+                                   decode_params(ctx.config.temperature, k + 1, run * 1000 + i))
                 for i in range(c)
             ]  # fmt: skip
             pending, done = set(ids), set()

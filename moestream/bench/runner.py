@@ -298,15 +298,14 @@ class PrefillSection:
         return head, rows
 
 
-def decode_params(config: BenchConfig, max_tokens: int, seed: int) -> SamplingParams:
+def decode_params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
     """A timed decode request's parameters: `max_tokens` tokens, no early end; greedy, or
-    sampled at `config.temperature` with `seed` (the same draws on every engine)."""
-    sampled = config.temperature > 0
+    sampled at `temperature` with `seed` (the same draws on every engine)."""
     return SamplingParams(
-        temperature=config.temperature,
+        temperature=temperature,
         max_tokens=max_tokens,
         ignore_eos=True,
-        seed=seed if sampled else None,
+        seed=seed if temperature > 0 else None,
     )
 
 
@@ -334,7 +333,7 @@ class DecodeSection:
             ids = ctx.random_prompt(1, max(depth, 1), run)
             ctx.reset_peak()
             # One token more than measured: the first comes out of the (untimed) prefill step.
-            stream = ctx.llm.stream(ids, decode_params(ctx.config, k + 1, run))
+            stream = ctx.llm.stream(ids, decode_params(ctx.config.temperature, k + 1, run))
             first = next(stream)
             n_first = len(first.new_token_ids)
             synchronize(ctx.device)

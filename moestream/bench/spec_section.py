@@ -97,18 +97,12 @@ def decode_run(
     prompt i; `max_tokens`): decode seconds (first token to last, summed), tokens after the
     first, outputs, and what the speculator counted (`SpecCounts` of this run, None when the
     engine does not speculate)."""
-    from moestream.types import SamplingParams
+    from moestream.bench.runner import decode_params  # runner lists this section
 
     before = _counters(engine)
     seconds, tokens, outputs = 0.0, 0, []
     for i, ids in enumerate(prompts):
-        params = SamplingParams(
-            temperature=temperature,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            seed=i if temperature > 0 else None,
-        )
-        rid = engine.add_request(list(ids), params)
+        rid = engine.add_request(list(ids), decode_params(temperature, max_tokens, i))
         out: list[int] = []
         start = None
         while engine.has_unfinished():

@@ -74,6 +74,14 @@ WORD_BYTES = {_T.Q4_K: 4, _T.Q5_K: 4, _T.Q6_K: 2, _T.Q8_0: 2, _T.Q4_0: 2, _T.IQ4
 WORD_BYTES.update({_T.IQ4_XS: 4, _T.MXFP4: 1})
 
 
+def check_rows_aligned(w: QTensor, who: str) -> None:
+    """That the rows of `w` (2-D, or a stack of them) start `WORD_BYTES` aligned: its data and
+    every stride but the last, in bytes."""
+    align = WORD_BYTES[w.qtype]
+    if w.data.data_ptr() % align or any(st % align for st in w.data.stride()[:-1]):
+        raise ValueError(f"{who}: {w.qtype.name} rows must be {align}-byte aligned")
+
+
 class Q8Act(NamedTuple):
     """Activations quantized for `mmvq`: q int32 [M, K/4], d and s float32 [M, K/32]."""
 
@@ -561,9 +569,7 @@ def mmvq(
         raise ValueError(f"{cfg}: variant must be one of {VARIANTS}, block_n a power of two")
     if cfg.variant == "tile" and w.qtype not in MMVQ_QTYPES:
         raise ValueError(f'mmvq: no "tile" kernel for {w.qtype.name}')
-    align = WORD_BYTES[w.qtype]
-    if w.data.data_ptr() % align or w.data.stride(0) % align:
-        raise ValueError(f"mmvq: {w.qtype.name} rows must be {align}-byte aligned")
+    check_rows_aligned(w, "mmvq")
     dst, stride_os = split_k_target(out, cfg.split_k)
     if cfg.variant == "once":
         from moestream.kernels.mmvq_once import launch_mmvq_once  # it imports this module

@@ -37,8 +37,8 @@ import triton.language as tl
 
 from moestream.kernels.mmvq import (
     MMVQ_DENSE_QTYPES,
-    WORD_BYTES,
     Q8Act,
+    check_rows_aligned,
     quantize_q8,
     tree_sum,
     use_asm,
@@ -207,9 +207,7 @@ def moe_grouped(
     if not all(w.qtype in MMVQ_DENSE_QTYPES for w in (gate, up, down)):
         raise ValueError("grouped: gate, up and down must be of MMVQ_DENSE_QTYPES")
     for w in (gate, up, down):
-        align = WORD_BYTES[w.qtype]
-        if w.data.data_ptr() % align or w.data.stride(0) % align or w.data.stride(1) % align:
-            raise ValueError(f"grouped: {w.qtype.name} rows must be {align}-byte aligned")
+        check_rows_aligned(w, "grouped")
     if expert_slot is None:
         raise ValueError("grouped: needs expert_slot")
     t, h = x.shape

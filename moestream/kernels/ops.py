@@ -156,9 +156,9 @@ def _check_q8(xa: Q8Act, m: int, k: int) -> None:
 def _mmvq_most_rows(qtype: GGMLQuantizationType) -> int:
     """Most rows a dense matmul of `qtype` (in MMVQ_DENSE_QTYPES) sends to mmvq: below
     MMQ_MIN_M where the int8 tensor-core kernel takes over (MMVQ_QTYPES); MMVQ_MAX_M for the
-    4-bit code types, which have no such kernel and whose next path, the tiled GEMM, was 2.3-5.3x
-    slower up to 8 rows (H200, N=12288 K=4096, 2026-11-30: mmvq 18-44 us against 102-145 us at
-    1-8 rows; bench/kernels_gpu.py --only gemv)."""
+    4-bit code types, which have no such kernel and whose next path, the tiled GEMM, was 2.2-7.2x
+    slower at 2-8 rows (H200, N=12288 K=4096, 2026-11-30: mmvq 18.5-53.4 us against 102-145 us;
+    bench/kernels_gpu.py --only gemv)."""
     return MMQ_MIN_M - 1 if qtype in MMVQ_QTYPES else MMVQ_MAX_M
 
 

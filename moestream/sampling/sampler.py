@@ -50,6 +50,11 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: every torch generator accepts it
 
 
+def _row_seed(params: Any, step: int) -> int | None:
+    """A row's generator seed at its request's `step`-th sampling step (None: unseeded)."""
+    return None if params.seed is None else step_seed(int(params.seed), int(step))
+
+
 def argmax_only(params: Any) -> bool:
     """True when a row's token is the argmax of its logits and nothing else is asked of the
     sampler: greedy, no penalty, no logprobs (`SamplingParams`-like, attribute access)."""
@@ -162,7 +167,7 @@ class SamplingBatch:
             pres.append(float(p.presence_penalty))
             freq.append(float(p.frequency_penalty))
             step = len(output_token_ids_list[i]) if step_seeds is None else int(step_seeds[i])
-            seeds.append(None if p.seed is None else step_seed(int(p.seed), step))
+            seeds.append(_row_seed(p, step))
         penalised = [i for i in range(n) if rep[i] != 1.0 or pres[i] != 0.0 or freq[i] != 0.0]
         repeating = [i for i in range(n) if rep[i] != 1.0]
         out_rows, out_ids = _token_index(penalised, output_token_ids_list)
@@ -209,10 +214,7 @@ class SamplingBatch:
         penalties) at other step indices: only the generator seeds change."""
         if self.any_penalties:
             raise ValueError("a batch with penalties depends on the output: build it anew")
-        seeds = tuple(
-            None if p.seed is None else step_seed(int(p.seed), int(step))
-            for p, step in zip(params_list, step_seeds, strict=True)
-        )
+        seeds = tuple(_row_seed(p, step) for p, step in zip(params_list, step_seeds, strict=True))
         return self if seeds == self.generator_seeds else replace(self, generator_seeds=seeds)
 
     def repeat_rows(self, repeats: int) -> SamplingBatch:

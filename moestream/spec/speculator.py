@@ -283,6 +283,8 @@ class Speculator:
         if self.picker.priced_out(len(inputs)):  # never with a free arm
             self._priced_out = True
             self._skip = IDLE_PRICED_OUT_SKIP
+            for name in self.picker.model_arms:  # skipped rounds count as withheld ones: the
+                self._withheld[name] = self._withheld.get(name, 0) + self._skip  # next re-prices
             return
         step = self.picker.plain_time(len(inputs))  # of the decodes the skipped rounds skip
         host = time.perf_counter() - start - self.draft_forward_seconds
@@ -371,7 +373,9 @@ class Speculator:
         """The model arms offered to the picker this round: not those priced out for
         `num_requests` requests (`Picker.arm_priced_out`: no draft of theirs could pay even if
         accepted), but for every `IDLE_PRICED_OUT_SKIP`-th round that would withhold one, so
-        that the picker re-prices it. A round whose free proposers have nothing then asks
+        that the picker re-prices it (rounds skipped because every arm was priced out count
+        among them, so the round after such a skip offers them). A round whose free proposers
+        have nothing then asks
         the picker nothing (~50-100 us of planning in Python, which loops over each model
         arm's draft lengths: 4.6% of a 0.23 ms step of the tiny pair on the H200 with
         `auto`). With `SpecConfig.always` every model arm is offered (drafting is forced)."""

@@ -402,9 +402,9 @@ def test_decode_params_sample_with_seeds() -> None:
     """--temperature: greedy at 0; above, seeded requests (the same draws on every engine)."""
     from moestream.bench.runner import BenchConfig, decode_params
 
-    greedy = decode_params(BenchConfig(), 5, 7)
+    greedy = decode_params(BenchConfig().temperature, 5, 7)
     assert greedy.temperature == 0 and greedy.seed is None and greedy.max_tokens == 5
-    sampled = decode_params(BenchConfig(temperature=0.8), 5, 7)
+    sampled = decode_params(BenchConfig(temperature=0.8).temperature, 5, 7)
     assert sampled.temperature == 0.8 and sampled.seed == 7 and sampled.ignore_eos
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(RequestError, match="--temperature"):

@@ -275,6 +275,28 @@ def test_a_priced_out_model_arm_is_withheld_from_the_picker():
     assert forced._offered_model_arms(1) == ["draft"]
 
 
+def test_after_a_priced_out_skip_the_model_arm_is_offered_again():
+    """With model arms alone, all priced out, rounds are skipped IDLE_PRICED_OUT_SKIP at a
+    time (`Picker.priced_out`); those skipped rounds count as withheld ones, so the round after
+    each skip offers the arm to the picker again, which re-prices it."""
+    spec = Speculator(SpecConfig(mode="draft", draft_model="draft.gguf"), [ModelArm()])
+    for n in range(1, 40):
+        spec.record_step_time(n, dense(n))
+    for _ in range(2):
+        spec.picker.record_draft_time("draft", 1, 4, 4 * dense(1))  # as dear as a step
+    asked = []
+    choose = spec.picker.choose
+    spec.picker.choose = lambda cands, *a, **kw: asked.append(len(cands)) or choose(cands, *a, **kw)
+    req = decoding("r", [1, 2, 3, 4, 5, 6])
+    req.sampling_params = SamplingParams(temperature=0, max_tokens=4 * IDLE_PRICED_OUT_SKIP)
+    for _ in range(2 * IDLE_PRICED_OUT_SKIP + 50):
+        spec.draft([req])
+        req.output_token_ids.append(7)
+        req.num_computed_tokens = req.num_tokens - 1
+    assert spec.picker.priced_out(1)
+    assert len(asked) == 2  # once at the start (then skipped), once after each of the two skips
+
+
 # ---- measurements --------------------------------------------------------------------------
 def test_step_cost_bounds():
     c = StepCostModel(alpha=0.5)
