@@ -8,7 +8,8 @@ and run-ahead hits.
 
 A mode named twice with a suffix (`plain#2`) runs as a second arm of its own: how far two
 identical arms differ is the noise floor of every other ratio. `plain!` is plain decode with
-the runner's run-ahead off.
+the runner's run-ahead off; `auto+restart` (or `ngram+restart`) restarts the ramp of skipped
+proposal rounds at every new request, as before `Speculator.drafting_share`.
 
 Each phase is timed by wrapping the engine's own methods on the instance (the same wrappers in
 every mode, ~0.2 us each). "other" is the step's time outside the named phases (timing, the
@@ -152,10 +153,12 @@ def main() -> int:
         specs[m] = None
         # "plain#2": a second arm of the same mode (the noise floor); "plain!": plain decode
         # with the runner's run-ahead off
-        mode = m.split("#")[0].rstrip("!")
+        mode = m.split("#")[0].rstrip("!").removesuffix("+restart")
         if mode != "plain":
             specs[m] = engine.build_speculator(SpecConfig(mode=mode, draft_model=str(DEMO_DRAFT)))
             instrument_speculator(specs[m], clock)
+            if m.endswith("+restart"):  # every new request restarts the idle ramp (old rule)
+                specs[m].restart_share = 0.0
     prompts = [llm.tokenizer.encode(t) for t in prompts_of(args.kind, args.prompts)]
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(args.rounds + 1):  # round 0 warms up (compiles, captures, picker costs)

@@ -87,12 +87,13 @@
 #   bench/scripts/gpu_figures.sh s7g     grouped MoE GPU tests; 4-bit code type experts, grouped
 #                                        against float; tiny-pair sampled step phases
 #   bench/scripts/gpu_figures.sh s7h     tiny-pair sampled step phases, proposal rounds counted
+#   bench/scripts/gpu_figures.sh s8a     tiny-pair sampled step phases, ramp restarts or not
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -598,6 +599,16 @@ PY
   s7h)  # the tiny pair's sampled step phases with proposal rounds counted (n-gram alone, auto)
     timeout 150 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
       --modes plain,plain#2,ngram,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    ;;
+  s8a)  # the tiny pair's sampled step phases: auto against auto with the old ramp restarts;
+    # greedy copy and prose (auto still drafts where it pays)
+    timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
+      --modes plain,plain#2,auto,auto+restart 2>&1 | grep -v "^USDT\|^round" \
+      | tee "$out/phases_t1.txt"
+    for kind in copy prose; do
+      timeout 100 python3 bench/spec_phases.py --kind $kind --rounds 4 --modes plain,auto 2>&1 \
+        | grep -v "^USDT\|^round" | tee "$out/phases_$kind.txt"
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

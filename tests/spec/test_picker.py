@@ -583,6 +583,38 @@ def test_skipping_idle_rounds_on_a_fast_target_stays_exact(kind):
         assert stats.total.tau > 1.5, stats.as_dict()
 
 
+def test_new_requests_restart_the_ramp_only_while_recent_requests_drafted():
+    """On a fast target (0.2 ms steps), requests with nothing to copy, one after another:
+    while recent ones drafted (at first) each new request restarts the ramp of skipped rounds;
+    once the share of requests that drafted has fallen, a new request gets its own round and
+    the skipping goes on. A request that copies is still found (its first round's proposal is
+    tried, and tries that are all accepted are followed by rounds at once), and restarts come
+    back."""
+    spec, proposer = counting_speculator(idle_budget=1e-4)  # the ramp, not the budget, caps
+    fast = lambda n: 2e-4 * dense(n)  # noqa: E731  (0.2 ms: the tiny pair on the H200)
+    rounds = []
+
+    def run(kind: str, seed: int, n_out: int) -> int:
+        """Rounds for one request (its end then reaches the speculator, as with the next
+        request's plan)."""
+        (prompt,), (want,) = (d.values() for d in workload(kind, 1, n_out, seed))
+        rid = f"{kind}{seed}"
+        before = proposer.rounds
+        out, _ = simulate({rid: prompt}, {rid: want}, fast, spec)
+        assert out == {rid: want}
+        spec.observe(StepPlan(finished_ids=[rid]), {})
+        return proposer.rounds - before
+
+    rounds = [run("fresh", seed, 100) for seed in range(8)]
+    assert rounds[0] >= 7 and max(rounds[-3:]) <= 2, rounds
+    assert spec.drafting_share < 0.25
+    verified = spec.stats.total.num_verify_steps
+    run("copy", 9, 150)
+    assert spec.stats.total.num_verify_steps > verified + 20, spec.stats.as_dict()
+    assert spec.drafting_share > 0.25  # the next request restarts the ramp again
+    assert run("fresh", 10, 100) >= 7
+
+
 def test_a_round_whose_step_is_queued_defers_its_drafts():
     """The runner queued the next step as plain decode: drafts for it would leave that work
     wasted, so the round hands out none and turns run-ahead off; the next round drafts."""
