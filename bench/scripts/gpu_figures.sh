@@ -88,12 +88,15 @@
 #                                        against float; tiny-pair sampled step phases
 #   bench/scripts/gpu_figures.sh s7h     tiny-pair sampled step phases, proposal rounds counted
 #   bench/scripts/gpu_figures.sh s8a     tiny-pair sampled step phases, ramp restarts or not
+#   bench/scripts/gpu_figures.sh s8b     tiny-pair step phases of every mode (sampled); greedy
+#                                        speculation figures
+#   bench/scripts/gpu_figures.sh s8c     30B verify-cost curve, prefix reuse, warm-prefix profile
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -609,6 +612,24 @@ PY
       timeout 100 python3 bench/spec_phases.py --kind $kind --rounds 4 --modes plain,auto 2>&1 \
         | grep -v "^USDT\|^round" | tee "$out/phases_$kind.txt"
     done
+    ;;
+  s8b)  # the tiny pair: sampled step phases of every mode (10 rounds) and of sampled copy
+    # prompts; greedy speculation figures (tau, speedup), also under --deterministic
+    timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
+      --modes plain,plain#2,ngram,draft,auto 2>&1 | grep -v "^USDT\|^round" \
+      | tee "$out/phases_t1.txt"
+    timeout 100 python3 bench/spec_phases.py --kind copy --rounds 4 --temperature 1.0 \
+      --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_copy_t1.txt"
+    spec 150 2
+    ;;
+  s8c)  # the 30B: verify-cost curve, prefix reuse; where the warm 32k prefix step's time goes
+    synth qwen3-30b-a3b q30
+    bench q30v 240 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
+      --decode-depths 0 --decode-tokens 32 --repeats 3 --verify-curve 1,2,4,8,16 \
+      --verify-batches 1,4,16 --prefix-reuse 32768:31744
+    timeout 200 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
+      --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
+    echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
