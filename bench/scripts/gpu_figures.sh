@@ -622,12 +622,15 @@ PY
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_copy_t1.txt"
     spec 150 2
     ;;
-  s8c)  # the 30B: verify-cost curve, prefix reuse; where the warm 32k prefix step's time goes
+  s8c)  # the tiny pair's speculation under --deterministic (3 rounds); the 30B: verify-cost
+    # curve, prefix reuse; where the warm 32k prefix step's time goes
+    timeout 120 python3 bench/spec_figures.py --device cuda --deterministic --rounds 3 \
+      --prompts 2 --tokens 128 --json "$out/spec_det.json" 2> /dev/null | tail -16
     synth qwen3-30b-a3b q30
-    bench q30v 240 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
-      --decode-depths 0 --decode-tokens 32 --repeats 3 --verify-curve 1,2,4,8,16 \
+    bench q30v 200 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 \
+      --decode-depths 0 --decode-tokens 32 --repeats 2 --verify-curve 1,2,4,8,16 \
       --verify-batches 1,4,16 --prefix-reuse 32768:31744
-    timeout 200 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
+    timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
       --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
     echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
     ;;
