@@ -6,7 +6,10 @@ no drafts (`--spec-draft-n-max 0`): the same loop and prompt handling, one token
 fair baseline).
 
     python bench/llamacpp_spec.py LLAMA_BIN_DIR [--tokens 128] [--prompts 3] [--rounds 3]
-                                  [--draft-max 4] [--json out.json]
+                                  [--draft-max 4] [--ngl 99] [--json out.json]
+
+`--ngl N` offloads N layers of both models to the GPU (a CUDA build: `bench/scripts/
+build_llamacpp.sh SRC BUILD 90 "llama-lookup llama-speculative"`); default 0, the CPU.
 
 LLAMA_BIN_DIR holds llama-lookup and llama-speculative built from llama.cpp's
 source (it ships in the llama-cpp-python sdist: `pip download --no-deps --no-binary :all:
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -39,17 +43,20 @@ DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")
 ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
-def tool_args(tool: str, bin_dir: Path, prompt: str, tokens: int, draft_max: int) -> list[str]:
+def tool_args(
+    tool: str, bin_dir: Path, prompt: str, tokens: int, draft_max: int, ngl: int = 0
+) -> list[str]:
     common = ["-m", str(DEMO_MODEL), "-p", prompt, "-n", str(tokens), "-t", "1", "--temp", "0"]
-    common += ["--spec-draft-n-max", str(0 if tool == "plain" else draft_max)]
+    common += ["--spec-draft-n-max", str(0 if tool == "plain" else draft_max), "-ngl", str(ngl)]
     if tool in ("plain", "lookup"):
         return [str(bin_dir / "llama-lookup"), *common]
-    return [str(bin_dir / "llama-speculative"), *common, "-md", str(DEMO_DRAFT), "-td", "1"]
+    draft = ["-md", str(DEMO_DRAFT), "-td", "1", "-ngld", str(ngl)]
+    return [str(bin_dir / "llama-speculative"), *common, *draft]
 
 
 def run_tool(cmd: list[str]) -> dict[str, float]:
     """One run: decoded tokens and seconds, and drafted/accepted counts when printed."""
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     text = out.stdout + out.stderr
     m = DECODED.search(text)
@@ -70,6 +77,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--draft-max", type=int, default=4)
+    parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (CUDA build)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     tools = ("plain", "lookup", "draft")
@@ -81,7 +89,9 @@ def main() -> int:
             order = tools[r % 3 :] + tools[: r % 3]
             for tool in order if r % 2 == 0 else tuple(reversed(order)):
                 runs = [
-                    run_tool(tool_args(tool, args.bin_dir, p, args.tokens, args.draft_max))
+                    run_tool(
+                        tool_args(tool, args.bin_dir, p, args.tokens, args.draft_max, args.ngl)
+                    )
                     for p in prompts
                 ]
                 total = {k: sum(x.get(k, 0.0) for x in runs) for k in runs[0]}

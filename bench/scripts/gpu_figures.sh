@@ -91,12 +91,14 @@
 #   bench/scripts/gpu_figures.sh s8b     tiny-pair step phases of every mode (sampled); greedy
 #                                        speculation figures
 #   bench/scripts/gpu_figures.sh s8c     30B verify-cost curve, prefix reuse, warm-prefix profile
+#   bench/scripts/gpu_figures.sh s8d     build llama.cpp's lookup and speculative tools (CUDA)
+#   bench/scripts/gpu_figures.sh s8e     llama.cpp's speculation on the tiny pair (GPU), then ours
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -633,6 +635,17 @@ PY
     timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 24 --prefill "" \
       --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
     echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
+    ;;
+  s8d)  # build llama.cpp's llama-lookup and llama-speculative for sm_90 into .llamabuild
+    # (source: the trimmed vendor/llama.cpp of the llama-cpp-python sdist in .llama/src)
+    timeout 560 bash bench/scripts/build_llamacpp.sh .llama/src .llamabuild 90 \
+      "llama-lookup llama-speculative"; echo "[build rc=$?]"; tail -3 .llamabuild/build.log
+    ;;
+  s8e)  # llama.cpp's n-gram lookup and draft model on the tiny pair on the GPU, then ours
+    timeout 300 python3 bench/llamacpp_spec.py .llamabuild/out/bin --ngl 99 --rounds 3 \
+      --prompts 2 --tokens 128 --json "$out/llamacpp_spec_gpu.json" 2>&1 | tail -12
+    timeout 150 python3 bench/spec_figures.py --device cuda --rounds 3 --prompts 2 \
+      --tokens 128 --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | grep "^|\|^commit"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
