@@ -6,6 +6,7 @@
 #   pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
 set -euo pipefail
 src=$1; build=$2; arch=${3:-90}; targets=${4:-llama-bench llama-batched-bench}
+mkdir -p "$build"
 if [[ -f $src ]]; then
   mkdir -p "$build/src" && tar xzf "$src" -C "$build/src" && src=$(ls -d "$build"/src/*/ | head -1)
 fi
