@@ -636,13 +636,13 @@ PY
       --batch 1 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 > "$out/profile.txt" 2>&1
     echo "[profile rc=$?]"; grep "^## \|^wall" "$out/profile.txt"
     ;;
-  s8d)  # build llama.cpp's llama-lookup and llama-speculative for sm_90 into .llamabuild
+  s8d)  # build llama.cpp's llama-lookup and llama-speculative for sm_90 into .llama/build
     # (source: the trimmed vendor/llama.cpp of the llama-cpp-python sdist in .llama/src)
-    timeout 560 bash bench/scripts/build_llamacpp.sh .llama/src .llamabuild 90 \
-      "llama-lookup llama-speculative"; echo "[build rc=$?]"; tail -3 .llamabuild/build.log
+    timeout 560 bash bench/scripts/build_llamacpp.sh .llama/src .llama/build 90 \
+      "llama-lookup llama-speculative"; echo "[build rc=$?]"; tail -3 .llama/build/build.log
     ;;
   s8e)  # llama.cpp's n-gram lookup and draft model on the tiny pair on the GPU, then ours
-    timeout 300 python3 bench/llamacpp_spec.py .llamabuild/out/bin --ngl 99 --rounds 3 \
+    timeout 300 python3 bench/llamacpp_spec.py .llama/build/out/bin --ngl 99 --rounds 3 \
       --prompts 2 --tokens 128 --json "$out/llamacpp_spec_gpu.json" 2>&1 | tail -12
     timeout 150 python3 bench/spec_figures.py --device cuda --rounds 3 --prompts 2 \
       --tokens 128 --json "$out/spec_gpu.json" 2> "$out/spec_gpu.err" | grep "^|\|^commit"
