@@ -8,7 +8,9 @@ in `Request.draft_token_ids`, exactly where the speculator puts its proposals. T
 feeds them, the runner runs one forward over all b * k tokens and verifies the drafts
 (`spec.verify`), the scheduler commits the accepted ones. The timed region is the whole step
 (plan, forward, sampling or verification, commit) with the device synchronised at both ends;
-the proposer's own cost is not in it. Every k runs as the engine runs it: on CUDA a decode
+the proposer's own cost is not in it, nor does the runner queue a step ahead (a plain step,
+k = 1, is timed with its host work; run-ahead hides that in plain decode, so the ratios are
+slightly in speculation's favour). Every k runs as the engine runs it: on CUDA a decode
 (k = 1) or verify (k > 1) CUDA graph where the model and the runner's buckets allow one, else
 eagerly; a row's `cuda_graph` is True when every kept step of it replayed a graph (read from
 `ModelRunner.last_step_graph` after each step). Random drafts are nearly always rejected, so the
@@ -146,6 +148,20 @@ class VerifyCostSection:
         """Prefill `ids` (untimed), then `rounds` rounds of one timed step per k: per k the
         kept step times in ms, the drafts the target accepted, and whether every kept step
         ran as a CUDA graph."""
+        engine = ctx.llm.engine
+        runner = engine.runner
+        # No run-ahead: a plain step (k = 1) would queue the next step's forward, which the
+        # synchronised end of its timing would include, and the k > 1 step after it would drop
+        # (on the H200 the 30B's k = 1 steps were timed at 2.8 and 5.1 ms, k = 2 at 3.3).
+        ahead, runner.run_ahead = runner.run_ahead, False
+        try:
+            return self._timed_rounds(ctx, ids, ks, rounds)
+        finally:
+            runner.run_ahead = ahead
+
+    def _timed_rounds(
+        self, ctx: BenchContext, ids: list[str], ks: list[int], rounds: int
+    ) -> dict[int, dict[str, Any]]:
         engine = ctx.llm.engine
         started: set[str] = set()
         while len(started) < len(ids):

@@ -203,7 +203,8 @@ class Speculator:
         a small model the skips reach the cap.) A request that stops copying for a token or two (a
         renamed variable) loses no round; one that never copies costs little. A request that
         decodes for the first time since the last round gets a round (and, with a free
-        proposer, the skips ramp up from the start again); a round that drafts (or would
+        proposer, while at least `RESTART_SHARE` of the requests that finished lately drafted,
+        the skips ramp up from the start again); a round that drafts (or would
         have) ends the skipping; a round that drafts nothing but exploration tries does not
         count as drafting. Proposers catch up on skipped tokens at the next round. With model
         arms alone, all priced out (`Picker.priced_out`: no draft could pay even if every one

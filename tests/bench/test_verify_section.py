@@ -42,15 +42,21 @@ def test_verify_curve_through_the_engine() -> None:
     fed: list[tuple[int, tuple[int, ...]]] = []  # decode steps: (requests, drafts of each)
     execute = engine.runner.execute
 
+    ahead: set[bool] = set()  # run-ahead during the decode steps
+
     def spy(plan):
         if plan.scheduled and all(s.is_decode for s in plan.scheduled):
             fed.append((len(plan.scheduled), tuple(len(s.draft_token_ids) for s in plan.scheduled)))
+            ahead.add(engine.runner.run_ahead)
         return execute(plan)
 
     engine.runner.execute = spy
+    engine.runner.run_ahead = True
     config = _config(verify_ks=(2, 4), verify_batches=(1, 2, 3), verify_tau=(2.0, 3.5, 5.0))
     r = run_bench(llm, config, sections=SECTIONS)
     assert engine.speculator is spec and not engine.has_unfinished()
+    # a timed plain step must not queue the next one (its timing would include it)
+    assert ahead == {False}
 
     data = r["verify_cost"]
     assert data["depth"] == 8 and data["ks"] == [1, 2, 4] and data["formula"] == FORMULA
