@@ -17,8 +17,10 @@ from moestream.spec.stats import SpecStats
 from moestream.types import Request, StepPlan
 
 # Most proposal rounds skipped in a row while rounds draft nothing (`Speculator.draft`): bounds
-# how long a request that starts to repeat itself waits for its first n-gram drafts.
-IDLE_MAX_SKIP = 64
+# how long a request that starts to repeat itself waits for its first n-gram drafts (128 steps:
+# ~30 ms on a 0.23 ms step; a larger model's longer steps reach `SpecConfig.idle_budget` with
+# fewer skips). At 64, the rounds of a tiny model on the H200 cost more than that budget.
+IDLE_MAX_SKIP = 128
 # Rounds skipped in a row while every proposer is a priced-out model arm (`Picker.priced_out`:
 # no draft could pay even if all were accepted), new requests included: only the costs can
 # change that, and a round re-measures them.
@@ -306,7 +308,7 @@ class Speculator:
         step = self.picker.plain_time(len(inputs))  # of the decodes the skipped rounds skip
         host = time.perf_counter() - start - self.draft_forward_seconds
         need = math.ceil(host / (self.config.idle_budget * step)) - 1
-        ramp = 2 ** min(self._idle_rounds - IDLE_AFTER, 7) - 1
+        ramp = 2 ** min(self._idle_rounds - IDLE_AFTER, 8) - 1
         self._skip = max(0, min(IDLE_MAX_SKIP, ramp, need))
 
     def propose(

@@ -523,14 +523,15 @@ def test_idle_rounds_are_skipped_more_and_more_and_new_requests_end_the_skip():
     spec, proposer = counting_speculator()
     spec.record_step_time(1, 1e-9)  # any host work is far over the budget of such a step
     a = decoding("a", [1, 2, 3, 4, 5, 6])  # no n-gram recurs: nothing to draft
-    rounds, ahead = decode_rounds(spec, proposer, a, 200)
+    a.sampling_params = SamplingParams(temperature=0, max_tokens=1024)
+    rounds, ahead = decode_rounds(spec, proposer, a, 400)
     assert a.draft_token_ids == []
     # a new request counts as idle after its first round: run-ahead from then on, and the
     # rounds skipped in between double (1, 3, 7, ...) up to IDLE_MAX_SKIP
     assert all(ahead)
     gaps = [b - a for a, b in zip(rounds, rounds[1:])]
-    assert gaps == [1, 2, 4, 8, 16, 32, 64, IDLE_MAX_SKIP + 1]
-    assert spec.stats.as_dict()["plain_steps"] == 200
+    assert gaps == [1, 2, 4, 8, 16, 32, 64, 128, IDLE_MAX_SKIP + 1]
+    assert spec.stats.as_dict()["plain_steps"] == 400
     b = decoding("b", [9, 8, 9, 8, 9])  # a request new since the last round ends the skip
     spec.draft([a, b])
     assert proposer.rounds == len(rounds) + 1
