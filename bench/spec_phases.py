@@ -8,9 +8,7 @@ and run-ahead hits.
 
 A mode named twice with a suffix (`plain#2`) runs as a second arm of its own: how far two
 identical arms differ is the noise floor of every other ratio. `plain!` is plain decode with
-the runner's run-ahead off; `plain~` draws sampled tokens with the sampler's unfused path
-(softmax, per-row generators, exponential race) instead of `kernels.sample`; `auto+restart` (or
-`ngram+restart`) restarts the ramp of skipped
+the runner's run-ahead off; `auto+restart` (or `ngram+restart`) restarts the ramp of skipped
 proposal rounds at every new request, as before `Speculator.drafting_share`.
 
 Each phase is timed by wrapping the engine's own methods on the instance (the same wrappers in
@@ -155,7 +153,7 @@ def main() -> int:
         specs[m] = None
         # "plain#2": a second arm of the same mode (the noise floor); "plain!": plain decode
         # with the runner's run-ahead off
-        mode = m.split("#")[0].rstrip("!~").removesuffix("+restart")
+        mode = m.split("#")[0].rstrip("!").removesuffix("+restart")
         if mode != "plain":
             specs[m] = engine.build_speculator(SpecConfig(mode=mode, draft_model=str(DEMO_DRAFT)))
             instrument_speculator(specs[m], clock)
@@ -174,7 +172,6 @@ def main() -> int:
             engine.speculator = specs[m]
             if m.startswith("plain!"):
                 engine.runner.run_ahead = False
-            engine.runner.sampler.fused_draw = "~" not in m
             hits = engine.runner.run_ahead_hits
             dropped = engine.runner.run_ahead_dropped
             arms = arm_counts(specs[m])

@@ -95,13 +95,12 @@
 #   bench/scripts/gpu_figures.sh s8e     llama.cpp's speculation on the tiny pair (GPU), then ours
 #   bench/scripts/gpu_figures.sh s8f     30B verify-cost curve; tiny-pair sampled phases
 #   bench/scripts/gpu_figures.sh s8g     tiny-pair sampled phases (prose)
-#   bench/scripts/gpu_figures.sh s8h     fused sampled draw: GPU tests; tiny pair with and without
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s8h}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -664,12 +663,6 @@ PY
   s8g)  # the tiny pair's sampled step phases (prose), 10 rounds
     timeout 150 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
-    ;;
-  s8h)  # the fused sampled draw: its GPU tests; the tiny pair sampled with it and without
-    timeout 90 python3 -m pytest tests/kernels/test_sample.py tests/sampling -q -p no:cacheprovider \
-      2>&1 | tail -2
-    timeout 100 python3 bench/spec_phases.py --kind prose --rounds 6 --temperature 1.0 \
-      --modes plain,plain~,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

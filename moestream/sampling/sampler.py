@@ -11,17 +11,13 @@ Random rows draw with the exponential race: token = argmax(probs / E), E ~ Expon
 token, which picks token i with probability probs[i]. A row with a seed draws its E from its own
 `torch.Generator`, seeded from (seed, step index within the request), so a seeded request gives
 the same tokens alone or in any batch, and again after preemption. Unseeded rows share the
-sampler's generator. On CUDA the draw is one kernel instead (`kernels.sample.gumbel_argmax`:
-Gumbel-max, the same law, with Philox noise keyed by the same per-row seed, unseeded rows
-getting a fresh seed from the sampler's host generator each step): the same guarantees, other
-draws than the CPU's for a given seed.
+sampler's generator.
 
 Host synchronisation: none on the device path. All branch decisions (any greedy row, largest
 top-k, ...) are Python values computed by `SamplingBatch.from_params` from the parameters;
 building the batch packs its per-row values into one host tensor per dtype and copies each
-host -> device once (from pinned memory on CUDA). On the CPU seeded rows cost one generator and
-one noise fill each (a short Python loop over seeded rows; the math stays batched); on CUDA the
-draw takes one copy of the rows' seeds and one launch.
+host -> device once (from pinned memory on CUDA). Seeded rows cost one generator and one noise
+kernel each (a short Python loop over seeded rows; the math stays batched).
 
 A batch whose every row is `argmax_only` (greedy, no penalty, no logprobs) needs no batch at
 all: `Sampler.argmax` is the very op the greedy path runs on such rows.
@@ -30,7 +26,6 @@ all: `Sampler.argmax` is the very op the greedy path runs on such rows.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -370,8 +365,6 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
-        self._host_rng: random.Random | None = None  # unseeded rows' seeds on CUDA
-        self.fused_draw = True  # False: the CPU's draw on CUDA too (A/B of the two paths)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The generator that unseeded rows on `device` draw from."""
@@ -387,15 +380,6 @@ class Sampler:
                 g.manual_seed(self.seed)
             self._generators[device] = g
         return g
-
-    def row_seeds(self, batch: SamplingBatch, device: torch.device) -> torch.Tensor:
-        """[B] int64 on `device`: each seeded row's generator seed, a fresh draw of the
-        sampler's host generator for each unseeded row (`kernels.sample.gumbel_argmax`)."""
-        if self._host_rng is None:
-            self._host_rng = random.Random(self.seed)  # None: seeded from the OS
-        rng = self._host_rng
-        seeds = [rng.getrandbits(63) if s is None else s for s in batch.generator_seeds]
-        return _to_device(torch.tensor(seeds, dtype=torch.int64), device)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Token ids [B] int64 of `logits` [B, V] for rows that are all `argmax_only`: exactly
@@ -420,17 +404,12 @@ class Sampler:
             token_ids = greedy_ids
         else:
             processed = process_logits(penalised, batch)
-            if raw.is_cuda and self.fused_draw:  # one launch: Gumbel-max, per-row Philox noise
-                from moestream.kernels.sample import gumbel_argmax
-
-                token_ids = gumbel_argmax(processed, self.row_seeds(batch, raw.device))
-            else:
-                probs = processed.softmax(dim=-1)  # [B, V]
-                gens = row_generators(batch, raw.device)
-                noise = fill_per_row(
-                    torch.empty_like(probs), gens, self.generator(raw.device), "exponential_"
-                )
-                token_ids = exponential_race(probs, noise)
+            probs = processed.softmax(dim=-1)  # [B, V]
+            gens = row_generators(batch, raw.device)
+            noise = fill_per_row(
+                torch.empty_like(probs), gens, self.generator(raw.device), "exponential_"
+            )
+            token_ids = exponential_race(probs, noise)
             if greedy_ids is not None:
                 token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
         # Greedy rows have temperature 1 and no truncation: their processed rows are penalised.
