@@ -119,7 +119,7 @@ def _prefill_tile(
     q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
     stride_kb, stride_kt, stride_vb, stride_vt,
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
-    EVEN_D: tl.constexpr, BT_TILE: tl.constexpr,
+    EVEN_D: tl.constexpr, BT_TILE: tl.constexpr, SUM_DOT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step of rows q [M, D_PAD] over keys t0 .. t0 + BLOCK_N - 1. MASK:
     row i sees only keys <= pos[i] and < end; without it the caller guarantees every key of the
@@ -130,7 +130,9 @@ def _prefill_tile(
     block = _tile_blocks(bt_row, t, t0, end, KV_BLOCK, BLOCK_N, MASK, BT_TILE)
     offset = t % KV_BLOCK
     k = _load_tile(k_base, block, offset, t_ok, d, d_ok, stride_kb, stride_kt, MASK, EVEN_D)
-    if DOT_F32:
+    if SUM_DOT:  # the interpreter: numpy's matmul may round a row by its place in the tile
+        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    elif DOT_F32:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q.to(k.dtype), tl.trans(k))  # [M, BLOCK_N] float32
@@ -145,7 +147,9 @@ def _prefill_tile(
     if MASK:
         p = tl.where(visible, p, 0.0)
     v = _load_tile(v_base, block, offset, t_ok, d, d_ok, stride_vb, stride_vt, MASK, EVEN_D)
-    if DOT_F32:
+    if SUM_DOT:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    elif DOT_F32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
@@ -159,15 +163,16 @@ def _prefill_span(
     KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, MASK: tl.constexpr,
     EVEN_D: tl.constexpr, BT_TILE: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):  # fmt: skip
-    """`_prefill_tile` over the tiles starting at lo, lo + BLOCK_N, ... below hi. WHILE_LOOP:
-    a while loop (the interpreter cannot range() over loaded values), else a range."""
+    """`_prefill_tile` over the tiles starting at lo, lo + BLOCK_N, ... below hi. WHILE_LOOP
+    (the interpreter): a while loop (it cannot range() over loaded values), else a range; and
+    the tiles' dots as sums of products (`_prefill_tile`'s SUM_DOT), each row on its own."""
     if WHILE_LOOP:
         t0 = lo
         while t0 < hi:
             m_i, l_i, acc = _prefill_tile(
                 q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
                 stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, MASK,
-                EVEN_D, BT_TILE,
+                EVEN_D, BT_TILE, WHILE_LOOP,
             )  # fmt: skip
             t0 += BLOCK_N
     else:
@@ -175,7 +180,7 @@ def _prefill_span(
             m_i, l_i, acc = _prefill_tile(
                 q, m_i, l_i, acc, t0, end, pos, bt_row, k_base, v_base, d, d_ok, scale_log2e,
                 stride_kb, stride_kt, stride_vb, stride_vt, KV_BLOCK, BLOCK_N, DOT_F32, MASK,
-                EVEN_D, BT_TILE,
+                EVEN_D, BT_TILE, WHILE_LOOP,
             )  # fmt: skip
     return m_i, l_i, acc
 
