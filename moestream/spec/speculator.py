@@ -19,7 +19,8 @@ from moestream.types import Request, StepPlan
 # Most proposal rounds skipped in a row while rounds draft nothing (`Speculator.draft`): bounds
 # how long a request that starts to repeat itself waits for its first n-gram drafts (128 steps:
 # ~30 ms on a 0.23 ms step; a larger model's longer steps reach `SpecConfig.idle_budget` with
-# fewer skips). At 64, the rounds of a tiny model on the H200 cost more than that budget.
+# fewer skips). At 64 the cap, not the budget, bounded a tiny model's rounds on the H200: a
+# round of ~130 us within 0.5% of a 0.23 ms step asks for ~110 skips.
 IDLE_MAX_SKIP = 128
 # Rounds skipped in a row while every proposer is a priced-out model arm (`Picker.priced_out`:
 # no draft could pay even if all were accepted), new requests included: only the costs can
@@ -33,8 +34,8 @@ IDLE_AFTER = 3
 # may be worth copying within a few tokens) while at least this share of the requests that
 # finished lately drafted (`Speculator.drafting_share`, an EMA over finished requests with
 # weight DRAFTING_ALPHA, starting at 1). Below it, a new request gets its own round and the
-# skipping goes on where it was: on sampled prose the restarts were ~8 extra rounds per
-# request, ~3% of a 128-token request's time on the tiny pair on the H200.
+# skipping goes on where it was: on sampled prose the restarts were ~5 extra rounds per
+# 128-token request, ~2.5% of the tiny pair's time on the H200.
 RESTART_SHARE = 0.25
 DRAFTING_ALPHA = 0.25
 
