@@ -15,14 +15,16 @@ and max over rounds), the median of per-round speedups over the plain run of the
 tau, acceptance by draft position and the share of request-steps that carried drafts. Every
 run's text is compared with plain decode's: on the CPU they are equal; on a GPU without
 `--deterministic`, verification runs other kernels than a plain step, so each divergence is
-reported with the plain model's margin at that token (exit status 1 unless all are near-ties,
-`--tie`). The markdown table goes to stdout.
+reported with the plain model's margin at that token (exit status 1 unless all are near-ties:
+a margin within `--tie` nats or two steps of the logits' dtype at that logit, whichever is
+larger: bf16 logits of 16-32 are 0.125 apart). The markdown table goes to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -108,12 +110,28 @@ def run(args: argparse.Namespace) -> dict:
 def divergence(llm: LLM, prompt: list[int], plain: list[int], other: list[int]) -> dict:
     """Where `other` first leaves plain decode's tokens, and the plain model's margin there:
     log p(plain token) - log p(other token) at that position (one forward over the prompt and
-    the common tokens). A small margin is an argmax near-tie that other kernels may flip."""
+    the common tokens). A small margin is an argmax near-tie that other kernels may flip.
+    `step_nats`: the spacing of the model's activation dtype at the larger of the two logits
+    (the logits come out of the head in that dtype: bf16 on a GPU, 0.125 at logits of 16-32),
+    below which no margin can be told apart."""
     i = next((j for j, (a, b) in enumerate(zip(plain, other, strict=False)) if a != b), None)
     if i is None:  # one is a prefix of the other (cannot happen with ignore_eos)
-        return {"at": min(len(plain), len(other)), "margin_nats": None}
-    logp = torch.log_softmax(llm.logits(list(prompt) + plain[:i])[-1].float(), -1)
-    return {"at": i, "margin_nats": float(logp[plain[i]] - logp[other[i]])}
+        return {"at": min(len(plain), len(other)), "margin_nats": None, "step_nats": 0.0}
+    logits = llm.logits(list(prompt) + plain[:i])[-1].float()
+    logp = torch.log_softmax(logits, -1)
+    top = max(abs(float(logits[plain[i]])), abs(float(logits[other[i]])))
+    step = dtype_step(llm.model.dtype, top)
+    return {"at": i, "margin_nats": float(logp[plain[i]] - logp[other[i]]), "step_nats": step}
+
+
+def dtype_step(dtype: torch.dtype, x: float) -> float:
+    """The spacing of `dtype`'s values at magnitude x (x > 0; the smallest normal's below)."""
+    info = torch.finfo(dtype)
+    x = max(x, info.tiny)
+    return 2.0 ** (math.floor(math.log2(x)) - (info.bits - 1 - _EXPONENT_BITS[dtype]))
+
+
+_EXPONENT_BITS = {torch.float32: 8, torch.bfloat16: 8, torch.float16: 5}
 
 
 def markdown(results: dict, args: argparse.Namespace) -> str:
@@ -169,11 +187,12 @@ def main() -> int:
     for kind, rows in results.items():
         for name, r in rows.items():
             for d in r["divergences"]:
-                m = d["margin_nats"]
-                tie = m is not None and m <= args.tie
+                m, step = d["margin_nats"], d.get("step_nats", 0.0)
+                bound = max(args.tie, 2 * step)  # two steps of the logits' dtype at least
+                tie = m is not None and m <= bound
                 bad += not tie
                 print(f"divergence: {kind} {name} at token {d['at']}, plain model's margin "
-                      f"{'?' if m is None else f'{m:.4f}'} nats: "
+                      f"{'?' if m is None else f'{m:.4f}'} nats (bound {bound:.4f}): "
                       f"{'near-tie' if tie else 'NOT a near-tie'}")  # fmt: skip
     return 1 if bad else 0
 
