@@ -125,13 +125,9 @@ def divergence(llm: LLM, prompt: list[int], plain: list[int], other: list[int]) 
 
 
 def dtype_step(dtype: torch.dtype, x: float) -> float:
-    """The spacing of `dtype`'s values at magnitude x (x > 0; the smallest normal's below)."""
+    """The spacing of `dtype`'s values at magnitude x (the smallest normal's below it)."""
     info = torch.finfo(dtype)
-    x = max(x, info.tiny)
-    return 2.0 ** (math.floor(math.log2(x)) - (info.bits - 1 - _EXPONENT_BITS[dtype]))
-
-
-_EXPONENT_BITS = {torch.float32: 8, torch.bfloat16: 8, torch.float16: 5}
+    return info.eps * 2.0 ** math.floor(math.log2(max(x, info.tiny)))
 
 
 def markdown(results: dict, args: argparse.Namespace) -> str:

@@ -148,8 +148,7 @@ class VerifyCostSection:
         """Prefill `ids` (untimed), then `rounds` rounds of one timed step per k: per k the
         kept step times in ms, the drafts the target accepted, and whether every kept step
         ran as a CUDA graph."""
-        engine = ctx.llm.engine
-        runner = engine.runner
+        runner = ctx.llm.engine.runner
         # No run-ahead: a plain step (k = 1) would queue the next step's forward, which the
         # synchronised end of its timing would include, and the k > 1 step after it would drop
         # (on the H200 the 30B's k = 1 steps were timed at 2.8 and 5.1 ms, k = 2 at 3.3).
