@@ -173,16 +173,18 @@ def matmul_ref(kind: str, x: torch.Tensor, w: QTensor) -> torch.Tensor:
     return x.float() @ w.dequantize(torch.float32).t()
 
 
-def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None) -> Row:
+def bench_matmul(kind, m, n, k, qtype, dtype, *, gen, config=None, padded=False) -> Row:
+    """`padded`: the weight in the padded layout (`QTensor.aligned`; bytes counted unpadded)."""
     fn = matmul_fn(kind)
     kw = {"config": config} if config is not None else {}
     from moestream.kernels.dequant_mm import cache_values
 
-    w = random_qtensor(qtype, (n, k), gen)
+    w = random_qtensor(qtype, (n, k), gen).to("cuda", aligned=padded)
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    size = n * k * 2 if kind == "cached" else w.nbytes  # the bytes a call reads
-    more = [QTensor(w.data.clone(), qtype, w.shape) for _ in range(copies_for(size) - 1)]
+    size = n * k * 2 if kind == "cached" else n * row_bytes(qtype, k)  # the bytes a call reads
+    more = [QTensor(w.data.clone(), qtype, w.shape, padded=w.padded)
+            for _ in range(copies_for(w.nbytes) - 1)]  # fmt: skip
     weights = [w, *more]
     if kind == "cached":
         for w_ in weights:
@@ -206,11 +208,13 @@ def bench_moe(
     cached=False,
     mmq_cfg=None,
     grouped_cfg=None,
+    padded=False,
 ) -> Row:
     """One layer of Qwen3-30B-A3B experts. The stacks hold C copies of the 128 experts; each
     timed call routes with its own random top-8 and its own expert_slot table (expert e ->
     slot e + 128 c), so consecutive calls read different, cold experts. `mmq_cfg`,
-    `grouped_cfg`: the "mmq" / "grouped" path with that launch shape."""
+    `grouped_cfg`: the "mmq" / "grouped" path with that launch shape. `padded`: the stacks in
+    the padded layout (`QTensor.aligned`; bytes counted unpadded)."""
     from moestream.kernels.moe import default_method, fused_moe
     from moestream.kernels.moe_grouped import moe_grouped
     from moestream.kernels.moe_mmq import moe_mmq
@@ -233,6 +237,8 @@ def bench_moe(
     gate = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
     up = random_qtensor(qg, (c * E, FFN, HIDDEN), gen)
     down = random_qtensor(qd, (c * E, HIDDEN, FFN), gen)
+    if padded:
+        gate, up, down = (w.aligned() for w in (gate, up, down))
     if cached:  # bf16 copies (--weight-cache-gib): the grouped GEMM reads them, nothing to unpack
         from moestream.kernels.dequant_mm import cache_values
 
@@ -750,6 +756,34 @@ def time_align(gen) -> int:
     return bad
 
 
+def sweep_q6k_layout(gen, copy_gbs: float) -> None:
+    """Q6_K read from the file's 210-byte blocks against the padded 224-byte layout
+    (`QTensor.aligned`), each case twice in turn (native, padded, native, padded): the dense
+    decode GEMV (the default path, `mmvq` "once") at the Q6_K shapes of Qwen3-30B-A3B and
+    Qwen3-8B, and the 30B MoE layer (Q4_K gate/up, Q6_K down) at 1-32 tokens."""
+    dense = [(1, 151936, 2048), (1, 512, 2048), (1, 4096, 12288), (1, 1024, 4096),
+             (4, 151936, 2048), (8, 4096, 12288)]  # fmt: skip
+    print("| case | native us | padded us | native us | padded us | padded / native |")
+    print("|---|---|---|---|---|---|")
+    for m, n, k in dense:
+        us = [
+            bench_matmul("mmvq", m, n, k, T.Q6_K, torch.bfloat16, gen=gen, padded=p).us
+            for p in (False, True, False, True)
+        ]
+        ratio = (us[1] + us[3]) / (us[0] + us[2])
+        cells = " | ".join(f"{u:.1f}" for u in us)
+        print(f"| mmvq M={m} N={n} K={k} | {cells} | {ratio:.3f} |", flush=True)
+        torch.cuda.empty_cache()
+    for t in (1, 4, 8, 16, 32):
+        us = []
+        for p in (False, True, False, True):
+            us.append(bench_moe(t, (T.Q4_K, T.Q6_K), torch.bfloat16, gen=gen, padded=p).us)
+            torch.cuda.empty_cache()
+        ratio = (us[1] + us[3]) / (us[0] + us[2])
+        cells = " | ".join(f"{u:.1f}" for u in us)
+        print(f"| MoE layer T={t} Q4_K/Q6_K | {cells} | {ratio:.3f} |", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -781,6 +815,9 @@ def main() -> int:
     parser.add_argument("--sweep-moe-once", action="store_true", help="MoE once gate/up")
     parser.add_argument("--sweep-router", action="store_true", help="time the router shapes")
     parser.add_argument("--time-align", action="store_true", help="time align_blocks vs torch")
+    parser.add_argument(
+        "--sweep-q6k-layout", action="store_true", help="Q6_K native against padded blocks"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -803,6 +840,7 @@ def main() -> int:
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),
+        (args.sweep_q6k_layout, sweep_q6k_layout),
     ]
     if any(on for on, _ in sweeps):
         for on, run in sweeps:

@@ -95,12 +95,16 @@
 #   bench/scripts/gpu_figures.sh s8e     llama.cpp's speculation on the tiny pair (GPU), then ours
 #   bench/scripts/gpu_figures.sh s8f     30B verify-cost curve; tiny-pair sampled phases
 #   bench/scripts/gpu_figures.sh s8g     tiny-pair sampled phases (prose)
+#   bench/scripts/gpu_figures.sh s9a     padded Q6_K: GPU tests, kernels native vs padded, the
+#                                        30B's decode native then padded (c1-32)
+#   bench/scripts/gpu_figures.sh s9b     the same decode padded then native; greedy GPU vs CPU;
+#                                        prefix reuse
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -155,11 +159,12 @@ profile_b() {  # profile_b BATCH: top kernels of a 512-token prefill and of deco
   echo "[profile b=$1 rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$1.txt" | head -90
 }
 ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of the 30B's decode
-  # (batch 1 and 8 requests); PRELUDE is Python run before the CLI (the arm's patch)
+  # (batch 1 and 8 requests, or AB_CONC); PRELUDE is Python run before the CLI (the arm's patch)
   timeout "$4" python3 -c "${3}import sys; from moestream.cli import main; sys.exit(main())" \
     bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
-    --decode-tokens 64 --repeats 3 --concurrency 1,8 --out "/tmp/r/ab_$2" > /tmp/r/ab.log 2>&1
-  echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/ab.log
+    --decode-tokens 64 --repeats 3 --concurrency "${AB_CONC:-1,8}" --concurrency-prompt 128 \
+    --out "/tmp/r/ab_$2" > /tmp/r/ab.log 2>&1
+  echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 \|^| 16 \|^| 32 " /tmp/r/ab.log
   cp "/tmp/r/ab_$2/result.json" "$out/ab_$1_$2.json" 2>/dev/null
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -663,6 +668,28 @@ PY
   s8g)  # the tiny pair's sampled step phases (prose), 10 rounds
     timeout 150 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    ;;
+  s9a)  # GPU tests of padded Q6_K and the expert tiers; Q6_K native against padded kernels;
+    # the 30B's decode with Q6_K native, then padded (the first two arms of an A/B)
+    timeout 150 python3 -m pytest tests/kernels/test_padded_q6k.py -q -p no:cacheprovider 2>&1 \
+      | tail -3
+    timeout 100 python3 -m pytest tests/experts -m gpu -q -p no:cacheprovider 2>&1 | tail -3
+    timeout 150 python3 bench/kernels_gpu.py --sweep-q6k-layout 2>&1 | tee "$out/q6k_layout.log"
+    synth qwen3-30b-a3b q30
+    native='import moestream.models.base as b; b.CausalLM.pad_q6_k = False; '
+    export AB_CONC=1,8,16,32
+    ab_decode q6k native1 "$native" 110
+    ab_decode q6k padded1 "" 110
+    ;;
+  s9b)  # the A/B's other two arms (padded, then native); greedy GPU vs CPU; prefix reuse
+    synth qwen3-30b-a3b q30
+    native='import moestream.models.base as b; b.CausalLM.pad_q6_k = False; '
+    export AB_CONC=1,8,16,32
+    ab_decode q6k padded2 "" 110
+    ab_decode q6k native2 "$native" 110
+    timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
+      --json "$out/greedy.json" | tail -8
+    prefix
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

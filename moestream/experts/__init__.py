@@ -138,7 +138,7 @@ class _HostQTensor(QTensor):
     """A stacked expert tensor that stays a host view when the model moves weights to its
     device: the store replaces it before any forward."""
 
-    def to(self, device: torch.device | str) -> QTensor:
+    def to(self, device: torch.device | str, aligned: bool = False) -> QTensor:
         return self
 
 

@@ -60,6 +60,9 @@ Q3_K = tl.constexpr(11)
 Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
+# Kernel type id of Q6_K in the padded layout (`QTensor.aligned`: 224-byte blocks, every
+# section 16-byte aligned); `kernel_qtype` gives it. Not a GGML type.
+Q6_KP = tl.constexpr(270)
 IQ4_NL = tl.constexpr(20)
 IQ4_XS = tl.constexpr(23)
 MXFP4 = tl.constexpr(39)
@@ -82,6 +85,11 @@ GROUP_BYTES: dict[GGMLQuantizationType, int] = {
     GGMLQuantizationType.IQ4_XS: 136,
     GGMLQuantizationType.MXFP4: 8 * 17,
 }
+
+
+def kernel_qtype(w: QTensor) -> int:
+    """The QTYPE constexpr a kernel takes for `w`: its GGML type, or Q6_KP when padded."""
+    return Q6_KP.value if w.padded else int(w.qtype)
 
 
 def _table_words(values: tuple[int, ...], bias: int) -> tuple[tl.constexpr, ...]:
@@ -195,11 +203,11 @@ def _q5_k(rows, sb, magic):
 
 
 @triton.jit
-def _q6_k(rows, sb, magic):
+def _q6_k(rows, sb, magic, BLK: tl.constexpr):
     # Element (g, jj) of plane p, with h = g // 4, m = g // 2 % 2, t = g % 2, j = 16t + jj:
     # value v = 128h + 64p + 32m + j; low nibble p of ql[16g + jj], high 2 bits are bits
     # 2(2p + m) of qh[32h + j]; q = that - 32; scale int8 sc[v // 16] (byte 192), d f16 at 208.
-    blk = rows[:, None, None] + sb * 210
+    blk = rows[:, None, None] + sb * BLK  # 210, or 224 padded
     g = tl.arange(0, 8)[None, :, None]
     jj = tl.arange(0, 16)[None, None, :]
     h = g // 4
@@ -389,7 +397,9 @@ def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
     elif QTYPE == Q5_K:
         out = _q5_k(rows, sb, magic)
     elif QTYPE == Q6_K:
-        out = _q6_k(rows, sb, magic)
+        out = _q6_k(rows, sb, magic, 210)
+    elif QTYPE == Q6_KP:
+        out = _q6_k(rows, sb, magic, 224)
     elif QTYPE == Q8_0:
         out = _q8_0(rows, sb, magic)
     elif QTYPE == Q2_K:
@@ -431,7 +441,7 @@ def plane_k_offsets(P: tl.constexpr, QTYPE: tl.constexpr):
     elif QTYPE == Q8_0:
         c = tl.arange(0, 4)[:, None]
         offs = 128 * P + 32 * c + tl.arange(0, 32)[None, :]
-    elif QTYPE == Q2_K or QTYPE == Q3_K or QTYPE == Q6_K:  # noqa: SIM109
+    elif QTYPE == Q2_K or QTYPE == Q3_K or QTYPE == Q6_K or QTYPE == Q6_KP:  # noqa: SIM109
         g = tl.arange(0, 8)[:, None]
         offs = 128 * (g // 4) + 64 * P + 16 * (g % 4) + tl.arange(0, 16)[None, :]
     else:  # split nibbles

@@ -43,6 +43,7 @@ from moestream.kernels._triton_dequant import (
     Q5_1,
     Q5_K,
     Q6_K,
+    Q6_KP,
     Q8_0,
     _e8m0_half,
     _f16,
@@ -297,6 +298,8 @@ def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
         out = _q5_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 176, magic)
     elif QTYPE == Q6_K:
         out = _q6_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 210, magic)
+    elif QTYPE == Q6_KP:
+        out = _q6_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 224, magic)
     elif QTYPE == Q8_0:
         out = _q8_0_groups(rows[:, None, None, None] + sb[None, :, None, None] * 272, magic)
     elif QTYPE == Q2_K:

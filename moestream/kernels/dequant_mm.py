@@ -51,6 +51,7 @@ from moestream.kernels._triton_dequant import (
     check_activation,
     check_weight,
     dequant_superblock,
+    kernel_qtype,
     plane_k_offsets,
 )
 from moestream.kernels._triton_dequant_groups import dequant_groups, group_k_offsets
@@ -199,7 +200,7 @@ def dequantize_rows(
         base, expert_slot if expert_slot is not None else base,
         counts if counts is not None else base, out3,
         r, k, data.stride(0), data.stride(1), out3.stride(0), out3.stride(1), MAGIC,
-        QTYPE=int(w.qtype), BLOCK_R=shape.block_r, GROUPS=shape.groups,
+        QTYPE=kernel_qtype(w), BLOCK_R=shape.block_r, GROUPS=shape.groups,
         HAS_SLOT=expert_slot is not None, HAS_COUNT=counts is not None, STREAM=shape.stream,
         PLANES=shape.planes, num_warps=shape.warps,
     )  # fmt: skip

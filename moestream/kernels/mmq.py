@@ -34,7 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels._triton_dequant import num_sms, reduce_split_k, split_k_target
+from moestream.kernels._triton_dequant import (
+    Q6_KP,
+    kernel_qtype,
+    num_sms,
+    reduce_split_k,
+    split_k_target,
+)
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, i2f, q8_matmul_out, use_asm
 from moestream.weights.qtensor import QTensor
 
@@ -185,16 +191,22 @@ def _group_q4_k(acc, blk, xk, xd, xs, j, Q5: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_q6_k(acc, blk, xk, xd, j, ASM: tl.constexpr):
-    """Add group sb of Q6_K rows (210-byte blocks) to acc [BN, BM]; arguments as
-    `_group_q4_k`. Half n (128 values): ql bytes 64n + l and 64n + 32 + l, qh byte 128 + 32n + l
-    hold values 128n + 32r + l (r = 0..3: low/high nibble of either ql byte, qh bits 2r);
-    int8 scale 192 + 8n + 2r + l // 16 per 16 values; d float16 at 208."""
+def _group_q6_k(acc, blk, xk, xd, j, PADDED: tl.constexpr, ASM: tl.constexpr):
+    """Add group sb of Q6_K rows (210-byte blocks; 224 and 16-byte aligned when PADDED) to acc
+    [BN, BM]; arguments as `_group_q4_k`. Half n (128 values): ql bytes 64n + l and
+    64n + 32 + l, qh byte 128 + 32n + l hold values 128n + 32r + l (r = 0..3: low/high nibble
+    of either ql byte, qh bits 2r); int8 scale 192 + 8n + 2r + l // 16 per 16 values; d
+    float16 at 208."""
     d = _f16(blk + 208)
     for n in tl.static_range(2):
-        ql0 = _load32(blk[:, None] + 64 * n)  # [BN, 32] uint8
-        ql1 = _load32(blk[:, None] + 64 * n + 32)
-        qh = _load32(blk[:, None] + 128 + 32 * n)
+        if PADDED:  # aligned: plain byte loads, which the compiler widens
+            ql0 = tl.load(blk[:, None] + 64 * n + j[None, :])  # [BN, 32] uint8
+            ql1 = tl.load(blk[:, None] + 64 * n + 32 + j[None, :])
+            qh = tl.load(blk[:, None] + 128 + 32 * n + j[None, :])
+        else:
+            ql0 = _load32(blk[:, None] + 64 * n)
+            ql1 = _load32(blk[:, None] + 64 * n + 32)
+            qh = _load32(blk[:, None] + 128 + 32 * n)
         for r in tl.static_range(4):
             ql = ql0 if r % 2 == 0 else ql1
             low = ql & 0x0F if r < 2 else _shr(ql, 4, ASM) & 0x0F
@@ -232,8 +244,9 @@ def mmq_tile(w_rows, x_rows, xd_rows, xs_rows, g_lo, GROUPS: tl.constexpr, QTYPE
     against activation rows (x_rows [BM] int8 pointers to q, xd_rows/xs_rows [BM] float32
     pointers to d/s) over groups g_lo .. g_lo + GROUPS - 1, summed in order."""
     GB: tl.constexpr = (
-        272 if QTYPE == Q8_0 else 144 if QTYPE == Q4_K else 176 if QTYPE == Q5_K else 210
-    )  # noqa: E501
+        272 if QTYPE == Q8_0 else 144 if QTYPE == Q4_K else 176 if QTYPE == Q5_K
+        else 224 if QTYPE == Q6_KP else 210
+    )  # fmt: skip
     j = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for i in range(0, GROUPS):
@@ -243,8 +256,8 @@ def mmq_tile(w_rows, x_rows, xd_rows, xs_rows, g_lo, GROUPS: tl.constexpr, QTYPE
         xd = xd_rows + g * 8  # [BM]
         if QTYPE == Q8_0:
             acc = _group_q8_0(acc, blk, xk, xd, j)
-        elif QTYPE == Q6_K:
-            acc = _group_q6_k(acc, blk, xk, xd, j, ASM)
+        elif QTYPE == Q6_K or QTYPE == Q6_KP:  # noqa: SIM109
+            acc = _group_q6_k(acc, blk, xk, xd, j, QTYPE == Q6_KP, ASM)
         else:
             tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmq: unsupported type")  # noqa: SIM109
             acc = _group_q4_k(acc, blk, xk, xd, xs_rows + g * 8, j, QTYPE == Q5_K, ASM)
@@ -338,7 +351,8 @@ def mmq(
 
     `w` a 2-D QTensor of a type in MMQ_QTYPES with K = a.k (a multiple of 256); any M. Q4_K and
     Q5_K rows whose bytes start 16-byte aligned (as stacked GGUF tensors do) are copied with
-    16-byte cp.async; Q6_K and Q8_0 blocks are 2-byte aligned and read 16 bits at a time.
+    16-byte cp.async; Q6_K and Q8_0 blocks are 2-byte aligned and read 16 bits at a time (Q6_K
+    padded, `QTensor.aligned`: as bytes the compiler widens).
     `out`, when given, is an [M, N] tensor with unit last stride that receives the result.
     With a K split the float32 partial sums are added in split order (deterministic)."""
     out = q8_matmul_out(a, w, MMQ_QTYPES, "mmq", out, out_dtype)
@@ -355,7 +369,7 @@ def mmq(
     _mmq_kernel[grid](
         a.q.view(torch.int8), a.d, a.s, w.data, dst, m, n, 4 * a.q.stride(0), a.d.stride(0),
         w.data.stride(0), stride_os, dst.stride(-2), GROUPS_PER_SPLIT=groups // cfg.split_k,
-        QTYPE=int(w.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
+        QTYPE=kernel_qtype(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
         **cfg.launch_options,
     )  # fmt: skip
     reduce_split_k(out, dst)

@@ -21,6 +21,7 @@ float32 [M, K/32], s float32 [M, K/32] = d * sum(q) of the block (for types with
 Weights are read in their GGUF block format (DESIGN invariant 1). Types whose blocks are 4-byte
 aligned (Q4_K 144 bytes, Q5_K 176) are read a 32-bit word at a time; Q6_K (210) and Q8_0 (34)
 blocks are only 2-byte aligned and are read as 16-bit halves joined into words (`WORD_BYTES`;
+Q6_K padded to 224-byte blocks, `QTensor.aligned`, is read a 32-bit word at a time;
 the 4-bit code types of the "once" variant, `mmvq_codes`: Q4_0 and IQ4_NL as 16-bit halves,
 IQ4_XS as words, MXFP4 as bytes).
 
@@ -50,7 +51,9 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import (
+    Q6_KP,
     check_weight,
+    kernel_qtype,
     num_sms,
     reduce_split_k,
     split_k_target,
@@ -77,7 +80,7 @@ WORD_BYTES.update({_T.IQ4_XS: 4, _T.MXFP4: 1})
 def check_rows_aligned(w: QTensor, who: str) -> None:
     """That the rows of `w` (2-D, or a stack of them) start `WORD_BYTES` aligned: its data and
     every stride but the last, in bytes."""
-    align = WORD_BYTES[w.qtype]
+    align = 16 if w.padded else WORD_BYTES[w.qtype]  # padded Q6_K: 8-byte scale loads
     if w.data.data_ptr() % align or any(st % align for st in w.data.stride()[:-1]):
         raise ValueError(f"{who}: {w.qtype.name} rows must be {align}-byte aligned")
 
@@ -295,6 +298,50 @@ def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
 
 
 @triton.jit
+def q6_kp_scales(base, n, t, w, ok):
+    """(sc0, sc1, d) of padded Q6_K blocks (`QTensor.aligned`) at byte pointers `base`: the int8
+    scales 8n + 2t + w // 4 and 8n + 4 + 2t + w // 4 as int32, from one 8-byte load of scales
+    8n .. 8n + 7, and d (float16 at 208) as float32; 0 where not `ok`."""
+    s = tl.load((base + 192 + 8 * n).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
+    sh = 24 - 8 * (2 * t + w // 4)
+    sc0 = (s.to(tl.int32) << sh) >> 24  # sign-extended byte of scales 8n .. 8n + 3
+    sc1 = ((s >> 32).to(tl.int32) << sh) >> 24  # of 8n + 4 .. 8n + 7
+    return sc0, sc1, f16_at(base + 208, ok)
+
+
+@triton.jit
+def _acc_q6_kp(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
+    """`_acc_q6_k` for padded blocks (224 bytes, `QTensor.aligned`): the weight words are
+    32-bit loads, the scales one 8-byte load. The words keep `_acc_q6_k`'s permuted order: the
+    tile is summed by position, so the same order gives the same bits as the file's blocks
+    (an expert read from a host tier, unpadded, must give what a resident one gives)."""
+    z = tl.zeros(acc.shape, tl.int32)
+    w = (tl.arange(0, 8)[None, None, None, :] * 3) % 8 + z
+    okf = ok & (w >= 0)
+    n = c // 2
+    t = c % 2
+    base = rows + sb * 224 + z  # [MB, BN, R, 8]
+    p = base.to(tl.pointer_type(tl.int32))
+    ql = tl.load(p + 16 * n + 8 * t + w, mask=okf, other=0)  # byte 64n + 32t + 4w
+    qh = tl.load(p + 32 + 8 * n + w, mask=okf, other=0)  # byte 128 + 32n + 4w
+    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
+    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
+    xw = xq + sb * 64 + 32 * n + 8 * t + w
+    x0 = tl.load(xw, mask=okf, other=0)
+    x1 = tl.load(xw + 16, mask=okf, other=0)
+    m32 = z - 522133280  # bytes 0xE0 = -32
+    sc0, sc1, d = q6_kp_scales(base, n, t, w, okf)
+    f0 = i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
+    f1 = i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
+    b0 = sb * 8 + 4 * n + t + z
+    xd0 = tl.load(xd + b0, mask=okf, other=0.0)
+    xd1 = tl.load(xd + b0 + 2, mask=okf, other=0.0)
+    d = d * wt
+    acc = tl.fma(d * xd0, f0, acc)  # the same operations as `_acc_q6_k`: the same bits
+    return tl.fma(d * xd1, f1, acc)
+
+
+@triton.jit
 def _acc_q8_0(acc, rows, sb, b, ok, wt, xq, xd, ASM: tl.constexpr):
     """Add Q8_0 blocks to acc [MB, BN, R, 8]: element r is block b[r] (0..7) of group sb[r]
     (eight 34-byte blocks: f16 d, int8 q[32]); other arguments as `_acc_q4_k`."""
@@ -318,6 +365,8 @@ def acc_runs(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE: tl.constexpr, ASM: tl.
         acc = _acc_q8_0(acc, rows, sb, c, ok, wt, xq, xd, ASM)
     elif QTYPE == Q6_K:
         acc = _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM)
+    elif QTYPE == Q6_KP:
+        acc = _acc_q6_kp(acc, rows, sb, c, ok, wt, xq, xd, ASM)
     else:
         tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
         acc = _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE == Q5_K, ASM)
@@ -578,7 +627,7 @@ def mmvq(
     else:
         _mmvq_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
             a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
-            stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
+            stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=kernel_qtype(w),
             BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
             ASM=use_asm(out.device), num_warps=cfg.num_warps, **pdl_args(out.device),
         )  # fmt: skip

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moestream.kernels._triton_dequant import IQ4_NL, IQ4_XS, MXFP4, Q4_0
+from moestream.kernels._triton_dequant import IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q6_KP, kernel_qtype
 from moestream.kernels.mmvq import (
     Q4_K,
     Q5_K,
@@ -121,6 +121,37 @@ def _once_q6_k(rows, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM: tl.constexpr):
 
 
 @triton.jit
+def _once_q6_kp(rows, sb, c, ok, h, j, x0, x1, xd0, xd1, ASM: tl.constexpr):
+    """`_once_q6_k` for padded blocks (224 bytes, `QTensor.aligned`): word w = 4h + j in order
+    (16-byte loads along j), the 16 scales as four words at j, d at 208; the same operations
+    on the same values, so the same bits."""
+    w = 4 * h + j
+    okw = ok & (w >= 0)
+    n = c // 2
+    t = c % 2
+    base = rows + sb * 224  # [R, 1, 1, 1]
+    p = base.to(tl.pointer_type(tl.int32))
+    ql = tl.load(p + 16 * n + 8 * t + w, mask=okw, other=0)  # [R, 2, 1, 4]
+    qh = tl.load(p + 32 + 8 * n + w, mask=okw, other=0)
+    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)
+    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)
+    z = tl.zeros(x0.shape, tl.int32)
+    m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset
+    s0 = tl.sum(dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM), axis=3)[:, :, :, None]
+    s1 = tl.sum(dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM), axis=3)[:, :, :, None]
+    # scale words 48 + j (bytes 192 + 4j) for both halves; half h takes scale 8n + 2t + h
+    # (byte 2t + h of word 2n) and 8n + 4 + 2t + h (of word 2n + 1)
+    sw = tl.load(p + 48 + j + 0 * h, mask=okw, other=0)
+    sh = 24 - 8 * (2 * t + h)
+    sc0 = i2f((tl.sum(tl.where(j == 2 * n, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
+    sc1 = i2f((tl.sum(tl.where(j == 2 * n + 1, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
+    dv = f16_at(base + 208 + 0 * w, okw & (j == 0))
+    d = tl.sum(tl.where(j == 0, dv, 0.0), axis=3)[:, :, :, None]
+    part = (d * sc1 * xd1) * i2f(s1)
+    return tl.fma(d * sc0 * xd0, i2f(s0), part)
+
+
+@triton.jit
 def _once_q8_0(rows, blk, ok, h, jp, x, xd, ASM: tl.constexpr):
     """As `_once_q6_k` for Q8_0, as a (scale, integer sum) pair [R, 2, MB, 1]: run = 34-byte
     block `blk` [R, 1, 1, 1] of the row, word w = 4h + jp of its 32 int8 quants; x its
@@ -152,20 +183,24 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
             row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
             scale, f = _once_q8_0(row, blk, ok, h, jp, x, xdv, ASM)
             parts = tl.where(col == i, tl.fma(scale, f, parts), parts)  # `mmvq._acc_q4_k`
-    elif QTYPE == Q6_K:
+    elif QTYPE == Q6_K or QTYPE == Q6_KP:  # noqa: SIM109
         c = r % 4
         n = c // 2
         t = c % 2
-        xw = xq + sb * 64 + 32 * n + 8 * t + 4 * h + jp
+        jw = j if QTYPE == Q6_KP else jp  # the word order of `_once_q6_kp` / `_once_q6_k`
+        xw = xq + sb * 64 + 32 * n + 8 * t + 4 * h + jw
         x0 = tl.load(xw, mask=okx, other=0)
         x1 = tl.load(xw + 16, mask=okx, other=0)
         b0 = sb * 8 + 4 * n + t  # activation block of quarter t (2 + t: b0 + 2)
-        xdv = tl.load(xd + b0 + 2 * (jp % 2) + 0 * h, mask=okx & (jp < 2), other=0.0)
-        xd0 = tl.sum(tl.where(jp == 0, xdv, 0.0), axis=3)[:, :, :, None]
-        xd1 = tl.sum(tl.where(jp == 1, xdv, 0.0), axis=3)[:, :, :, None]
+        xdv = tl.load(xd + b0 + 2 * (jw % 2) + 0 * h, mask=okx & (jw < 2), other=0.0)
+        xd0 = tl.sum(tl.where(jw == 0, xdv, 0.0), axis=3)[:, :, :, None]
+        xd1 = tl.sum(tl.where(jw == 1, xdv, 0.0), axis=3)[:, :, :, None]
         for i in tl.static_range(BLOCK_N):
             row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
-            part = _once_q6_k(row, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM)
+            if QTYPE == Q6_KP:
+                part = _once_q6_kp(row, sb, c, ok, h, j, x0, x1, xd0, xd1, ASM)
+            else:
+                part = _once_q6_k(row, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM)
             parts = tl.where(col == i, parts + part, parts)
     elif (QTYPE == Q4_0) or (QTYPE == IQ4_NL) or (QTYPE == IQ4_XS) or (QTYPE == MXFP4):  # noqa: SIM109
         parts = once_step_codes(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd,
@@ -260,10 +295,10 @@ def launch_mmvq_once(
     against w's rows into dst ([M, N], or [split_k, M, N] partials `stride_os` apart), with
     `cfg`'s rows per program, K splits and groups per step, M_BLOCK = m_block."""
     m, n, groups = a.rows, w.shape[0], a.k // 256
-    sub = 8 if int(w.qtype) == Q8_0.value else 4
+    sub = 8 if kernel_qtype(w) == Q8_0.value else 4
     _mmvq_once_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         a.q, a.d, a.s, w.data, dst, m, n, a.q.stride(0), a.d.stride(0), w.data.stride(0),
-        stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=int(w.qtype),
+        stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=kernel_qtype(w),
         BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
         ASM=use_asm(dst.device), num_warps=once_warps(cfg, sub), **pdl_args(dst.device),
     )  # fmt: skip

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels import moe_mmvq
-from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight
+from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight, kernel_qtype
 from moestream.kernels.mmvq import MMVQ_DENSE_QTYPES, MMVQ_QTYPES, Q8Act
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, fused_moe_mmvq
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
@@ -420,13 +420,13 @@ def fused_moe(
         _gate_up_gemv_kernel[(a, triton.cdiv(f, block_n))](
             x, topk_ids, expert_slot, gate.data, up.data, hidden,
             f, x.stride(0), *strides, MAGIC,
-            QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, BLOCK_N=block_n,
+            QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, BLOCK_N=block_n,
             UNROLL=unroll_for(h // 256), num_warps=4,
         )  # fmt: skip
         _down_gemv_kernel[(t, triton.cdiv(h, block_n))](
             hidden, topk_ids, topk_weights, expert_slot, down.data, out,
             h, down.data.stride(0), down.data.stride(1), out.stride(0), MAGIC,
-            QD=int(down.qtype), F_GROUPS=f // 256, TOPK=k, BLOCK_N=block_n,
+            QD=kernel_qtype(down), F_GROUPS=f // 256, TOPK=k, BLOCK_N=block_n,
             UNROLL=unroll_for(f // 256), num_warps=4,
         )  # fmt: skip
         return out
@@ -462,7 +462,7 @@ def fused_moe(
     _gate_up_gemm_kernel[(num_blocks, triton.cdiv(f, gu_block_n))](
         x, sorted_ids, block_expert, expert_slot, gate.data, up.data, hidden,
         a, num_experts, f, x.stride(0), *strides, MAGIC,
-        QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+        QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
         BLOCK_M=block_m, BLOCK_N=gu_block_n, PRECISION=precision, DOT_F32=dot_f32,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -470,7 +470,7 @@ def fused_moe(
     _down_gemm_kernel[(num_blocks, triton.cdiv(h, down_block_n))](
         hidden, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
         a, num_experts, h, down.data.stride(0), down.data.stride(1), MAGIC,
-        QD=int(down.qtype), F_GROUPS=f // 256, BLOCK_M=block_m, BLOCK_N=down_block_n,
+        QD=kernel_qtype(down), F_GROUPS=f // 256, BLOCK_M=block_m, BLOCK_N=down_block_n,
         PRECISION=precision, DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels._triton_dequant import kernel_qtype
 from moestream.kernels.mmvq import (
     MMVQ_DENSE_QTYPES,
     Q8Act,
@@ -230,7 +231,7 @@ def moe_grouped(
         xa.q, xa.d, xa.s, sorted_ids, block_expert, expert_slot, gate.data, up.data, hidden,
         a, num_experts, xa.q.stride(0), xa.d.stride(0), gate.data.stride(0),
         gate.data.stride(1), up.data.stride(0), up.data.stride(1),
-        F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, G=up_groups,
+        F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=up_groups,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm,
         num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), up_groups),
         **pdl,
@@ -241,7 +242,7 @@ def moe_grouped(
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, cfg.down_block_n))](
         ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
         a, num_experts, h, down.data.stride(0), down.data.stride(1),
-        QD=int(down.qtype), F=f, G=down_groups, BLOCK_M=cfg.block_m,
+        QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.down_block_n, ASM=asm,
         num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype), down_groups), **pdl,
     )  # fmt: skip

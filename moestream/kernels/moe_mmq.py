@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels._triton_dequant import kernel_qtype
 from moestream.kernels.mmq import MMQ_QTYPES, MmqConfig, _check_config, mmq_tile, warps_for
 from moestream.kernels.mmvq import quantize_q8, use_asm
 from moestream.kernels.moe_align import align_blocks
@@ -137,7 +138,7 @@ def moe_mmq(
         xa.q.view(torch.int8), xa.d, xa.s, sorted_ids, block_expert, expert_slot, gate.data,
         up.data, hidden, a, num_experts, 4 * xa.q.stride(0), xa.d.stride(0),
         gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1),
-        F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+        F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
         **cfg.launch_options,
     )  # fmt: skip
@@ -146,7 +147,7 @@ def moe_mmq(
     _moe_down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
         ha.q.view(torch.int8), ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data,
         topk_weights, y, a, num_experts, h, down.data.stride(0), down.data.stride(1),
-        F=f, QD=int(down.qtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
+        F=f, QD=kernel_qtype(down), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=asm,
         **cfg.launch_options,
     )  # fmt: skip
     out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order

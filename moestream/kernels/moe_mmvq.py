@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from moestream.kernels._triton_dequant import kernel_qtype
 from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
 from moestream.kernels.mmvq import (
     MMVQ_QTYPES,
@@ -35,6 +36,7 @@ from moestream.kernels.mmvq import (
     f16_at,
     i2f,
     mmvq_rows,
+    q6_kp_scales,
     quantize_q8,
     tree_sum,
     use_asm,
@@ -308,16 +310,18 @@ def _gate_up_once_kernel(
 
 
 @triton.jit
-def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
+def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, PADDED: tl.constexpr, ASM: tl.constexpr):
     """Add Q6_K runs to acc [R, 8, BN] ("rows" tile: run r, word w, weight row; the layout of
     `mmvq._acc_q6_k` otherwise, words in the same permuted order). rows [1, 1, BN] byte
     pointers to row starts; sb, c, ok [R, 1, 1]. The activation words and scales are loaded
     once as [R, 8, 1] and broadcast over the rows: in the sm_90 build that load gets the
     tile's layout (runs and words on the lanes, rows in registers), so the broadcast is free
     and no shared-memory conversion is needed, where the [1, BN, R, 8] tile of `acc_runs`
-    loads them per row."""
+    loads them per row. PADDED: 224-byte blocks (`QTensor.aligned`), weight words read as 32-bit
+    loads and the scales as one 8-byte load (`mmvq.q6_kp_scales`), words in the same permuted
+    order (the tile is summed by position: the same bits either way, see `mmvq._acc_q6_kp`)."""
     zx = tl.zeros([acc.shape[0], 8, 1], tl.int32)
-    w = (tl.arange(0, 8)[None, :, None] * 3) % 8 + zx  # [R, 8, 1], permuted: see _acc_q6_k
+    w = (tl.arange(0, 8)[None, :, None] * 3) % 8 + zx  # [R, 8, 1] permuted: see mmvq._acc_q6_k
     okx = ok & (w >= 0)
     n = c // 2
     t = c % 2
@@ -330,21 +334,29 @@ def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
     z = tl.zeros(acc.shape, tl.int32)
     okf = okx & (z >= 0)  # [R, 8, BN]
     wf = w + z
-    base = rows + sb * 210 + z  # [R, 8, BN]
-    h = base.to(tl.pointer_type(tl.int16))
-    ql = word16(h + 32 * n + 16 * t + 2 * wf, okf)
-    qh = word16(h + 64 + 16 * n + 2 * wf, okf)
+    if PADDED:
+        base = rows + sb * 224 + z  # [R, 8, BN]
+        p = base.to(tl.pointer_type(tl.int32))
+        ql = tl.load(p + 16 * n + 8 * t + wf, mask=okf, other=0)  # byte 64n + 32t + 4w
+        qh = tl.load(p + 32 + 8 * n + wf, mask=okf, other=0)  # byte 128 + 32n + 4w
+        sc0, sc1, d = q6_kp_scales(base, n, t, wf, okf)
+    else:
+        base = rows + sb * 210 + z  # [R, 8, BN]
+        h = base.to(tl.pointer_type(tl.int16))
+        ql = word16(h + 32 * n + 16 * t + 2 * wf, okf)
+        qh = word16(h + 64 + 16 * n + 2 * wf, okf)
+        sp = (base + 192 + 8 * n + 2 * t + wf // 4).to(tl.pointer_type(tl.int8))
+        sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
+        sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
+        d = f16_at(base + 208, okf)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # quarter t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # 2 + t
     m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
-    sp = (base + 192 + 8 * n + 2 * t + wf // 4).to(tl.pointer_type(tl.int8))
-    sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
-    sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
     x0f = x0 + z
     x1f = x1 + z
     f0 = i2f(sc0 * dp4a(m32, x0f, dp4a(v0, x0f, z, ASM), ASM))
     f1 = i2f(sc1 * dp4a(m32, x1f, dp4a(v1, x1f, z, ASM), ASM))
-    d = f16_at(base + 208, okf) * wt
+    d = d * wt
     acc = tl.fma(d * xd0, f0, acc)  # explicit FMAs: see `mmvq._acc_q4_k`
     return tl.fma(d * xd1, f1, acc)
 
@@ -376,7 +388,7 @@ def _down_mmvq_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nr = tl.minimum(n, H - 1).to(tl.int64)
     if ROWS:
-        tl.static_assert(QD == 14, "the rows tile is for Q6_K")
+        tl.static_assert((QD == 14) or (QD == 270), "the rows tile is for Q6_K")
         nc = nr[None, None, :]  # [1, 1, BN]
         r = tl.arange(0, SUB * G)[:, None, None]  # (group, run) [R, 1, 1]
     else:
@@ -402,7 +414,7 @@ def _down_mmvq_kernel(
                 rows = d_base + nc * stride_dn
                 xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
                 if ROWS:
-                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, ASM)
+                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, QD == 270, ASM)
                 else:
                     part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
@@ -534,7 +546,7 @@ def fused_moe_mmvq(
         _gate_up_once_kernel[(a, f // block_n)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
-            F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k, G=groups,
+            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=groups,
             BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
             num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
             **pdl_args(out.device),
@@ -548,7 +560,7 @@ def fused_moe_mmvq(
         _gate_up_mmvq_kernel[(a, f // 32, split)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
-            F=f, QG=int(gate.qtype), QU=int(up.qtype), H_GROUPS=h // 256, TOPK=k,
+            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
             G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
             FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
             num_warps=cfg.up_warps, **pdl_args(out.device),
@@ -557,7 +569,7 @@ def fused_moe_mmvq(
     _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
         hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr,
         n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
-        QD=int(down.qtype), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
+        QD=kernel_qtype(down), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
         G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
         ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device),

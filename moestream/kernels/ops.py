@@ -447,7 +447,7 @@ def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:
 
     if w.is_float:
         return w.data[ids].float()
-    rows = w.data[ids]  # [T, row_bytes]
+    rows = QTensor(w.data[ids], w.qtype, (ids.numel(), w.shape[-1]), padded=w.padded).native()
     return dequantize(rows, w.qtype, (ids.numel(), w.shape[-1]))
 
 

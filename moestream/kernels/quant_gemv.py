@@ -24,6 +24,7 @@ from moestream.kernels._triton_dequant import (
     MAGIC,
     check_activation,
     dequant_superblock,
+    kernel_qtype,
     num_sms,
     plane_k_offsets,
 )
@@ -177,7 +178,7 @@ def quant_gemv(
         stride_os,
         dst.stride(-2),
         MAGIC,
-        QTYPE=int(w.qtype),
+        QTYPE=kernel_qtype(w),
         BLOCK_N=cfg.block_n,
         M_BLOCK=triton.next_power_of_2(m),
         GROUPS_PER_SPLIT=groups // cfg.split_k,

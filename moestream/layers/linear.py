@@ -65,7 +65,7 @@ def _row_slices(w: QTensor, rows: int) -> Iterator[QTensor]:
     """W [N, K] as consecutive slices of `rows` output rows (views of its blocks)."""
     n, k = w.shape
     for i in range(0, n, rows):
-        yield QTensor(w.data[i : i + rows], w.qtype, (min(rows, n - i), k))
+        yield QTensor(w.data[i : i + rows], w.qtype, (min(rows, n - i), k), padded=w.padded)
 
 
 def device_path(x: torch.Tensor) -> bool:
@@ -139,6 +139,7 @@ def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear, list[int]]]:
             last is not None
             and last.weight.qtype == p.weight.qtype
             and last.weight.shape[1] == p.weight.shape[1]
+            and last.weight.padded == p.weight.padded
             and (last.bias is None) == (p.bias is None)
         ):
             groups[-1].append(p)
@@ -152,7 +153,7 @@ def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear, list[int]]]:
             continue
         w = group[0].weight
         data = torch.cat([p.weight.data for p in group], dim=0)
-        merged = Linear(QTensor(data, w.qtype, (sum(sizes), w.shape[1])))
+        merged = Linear(QTensor(data, w.qtype, (sum(sizes), w.shape[1]), padded=w.padded))
         if group[0].bias is not None:
             merged.bias = torch.cat([p.bias for p in group])  # type: ignore[misc]
         fused.append((merged, sizes))

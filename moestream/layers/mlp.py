@@ -40,9 +40,15 @@ def stack_rows(a: QTensor, b: QTensor) -> tuple[QTensor, QTensor, QTensor]:
     """(a and b's rows stacked [Na + Nb, K], a view of its first Na rows, one of the rest): the
     views replace a and b, so the stack takes no memory beyond theirs."""
     data = torch.cat([a.data, b.data])  # quantized rows are independent: stack the bytes
-    both = QTensor(data, a.qtype, (a.shape[0] + b.shape[0], a.shape[1]))
+    if a.padded != b.padded:
+        raise ValueError("stack_rows: one weight padded, the other not")
+    both = QTensor(data, a.qtype, (a.shape[0] + b.shape[0], a.shape[1]), padded=a.padded)
     n = a.shape[0]
-    return both, QTensor(data[:n], a.qtype, a.shape), QTensor(data[n:], b.qtype, b.shape)
+    return (
+        both,
+        QTensor(data[:n], a.qtype, a.shape, padded=a.padded),
+        QTensor(data[n:], b.qtype, b.shape, padded=b.padded),
+    )
 
 
 class GatedMLP:

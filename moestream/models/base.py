@@ -86,6 +86,10 @@ class DecoderLayer:
 class CausalLM:
     """A decoder-only LM over GGUF-named weights. Subclasses implement `build_ffn`."""
 
+    # Q6_K weights in the padded layout (`QTensor.aligned`): None on a GPU only, else as set.
+    # The values, hence the logits, are the same either way.
+    pad_q6_k: bool | None = None
+
     def __init__(
         self,
         config: ModelConfig,
@@ -116,10 +120,13 @@ class CausalLM:
 
     # ---- build -------------------------------------------------------------------------------
     def weight(self, name: str) -> QTensor:
-        """Tensor `name` of the model file, on the model's device (build time only)."""
+        """Tensor `name` of the model file, on the model's device (build time only); on a GPU,
+        Q6_K in the padded layout its kernels read in 32-bit words (`QTensor.aligned`;
+        `pad_q6_k`)."""
         if name not in self._tensors:
             raise ModelFormatError(f"{self.config.arch} model is missing tensor {name}")
-        return self._tensors[name].to(self.device)
+        aligned = self.device.type == "cuda" if self.pad_q6_k is None else self.pad_q6_k
+        return self._tensors[name].to(self.device, aligned=aligned)
 
     def optional_weight(self, name: str) -> QTensor | None:
         return self.weight(name) if name in self._tensors else None
