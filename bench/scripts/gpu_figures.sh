@@ -681,7 +681,10 @@ PY
     ab_decode q6k native1 "$native" 110
     ab_decode q6k padded1 "" 110
     ;;
-  s9b)  # the A/B's other two arms (padded, then native); greedy GPU vs CPU; prefix reuse
+  s9b)  # the padded-Q6_K GPU tests; the A/B's other two arms (padded, then native); greedy GPU
+    # vs CPU; prefix reuse
+    timeout 100 python3 -m pytest tests/kernels/test_padded_q6k.py -q -p no:cacheprovider 2>&1 \
+      | tail -3
     synth qwen3-30b-a3b q30
     native='import moestream.models.base as b; b.CausalLM.pad_q6_k = False; '
     export AB_CONC=1,8,16,32

@@ -28,6 +28,7 @@ from moestream.kernels._triton_dequant import (
     num_sms,
     plane_k_offsets,
 )
+from moestream.kernels.mmvq import tree_sum
 from moestream.weights.qtensor import QTensor
 
 MAX_M = 8
@@ -46,7 +47,10 @@ def gemv_rows(
 ):
     """Dot products [BLOCK_N] of weight rows `rows` ([BLOCK_N] uint8 pointers) with one
     activation row (`x_row` points at its first element, unit stride) over groups
-    g_lo .. g_lo + GROUPS - 1 (GROUPS a multiple of UNROLL)."""
+    g_lo .. g_lo + GROUPS - 1 (GROUPS a multiple of UNROLL). The products are summed by
+    `mmvq.tree_sum` (a fixed order by index): a plain sum's order follows the register layout,
+    which the loads' alignment changes (Q6_K's file and padded layouts gave different bits on
+    the GPU)."""
     zero = tl.zeros([BLOCK_N, 1, 1], tl.int32)
     k0 = plane_k_offsets(0, QTYPE)[None, :, :] + zero  # [BLOCK_N, NG, G]: x in w's layout
     k1 = plane_k_offsets(1, QTYPE)[None, :, :] + zero
@@ -57,7 +61,8 @@ def gemv_rows(
             w0, w1 = dequant_superblock(rows, sb, magic, QTYPE)  # [BLOCK_N, NG, G] each
             acc = acc + w0 * tl.load(x_row + sb * 256 + k0).to(tl.float32)
             acc = acc + w1 * tl.load(x_row + sb * 256 + k1).to(tl.float32)
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    n: tl.constexpr = acc.shape[1] * acc.shape[2]
+    return tl.reshape(tree_sum(tl.reshape(acc, [1, BLOCK_N, n]), 1, BLOCK_N, n), [BLOCK_N])
 
 
 @triton.jit
