@@ -784,6 +784,62 @@ def sweep_q6k_layout(gen, copy_gbs: float) -> None:
         print(f"| MoE layer T={t} Q4_K/Q6_K | {cells} | {ratio:.3f} |", flush=True)
 
 
+def sweep_q6k_padded(gen, copy_gbs: float) -> None:
+    """Launch shapes for padded Q6_K (`QTensor.aligned`), whose defaults were tuned on the
+    file's 210-byte blocks: the dense "once" GEMV at M = 1 (Qwen3-30B-A3B's head and v
+    projection, Qwen3-8B's down) and the MoE layer's down kernel variants (default gate/up)
+    at T = 1 and 8. The 5 fastest and the default per case."""
+    from dataclasses import replace
+
+    from moestream.kernels import moe_mmvq
+    from moestream.kernels.mmvq import MmvqConfig, mmvq_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def report(title, results, default):
+        results.sort(key=lambda item: item[0])
+        print(f"\n{title}: {len(results)} configs")
+        for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
+            gbs = r.nbytes / us / 1e3
+            mark = " (default)" if cfg == default else ""
+            print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+
+    for n, k in ((151936, 2048), (512, 2048), (4096, 12288)):
+        default = mmvq_config(n, k, sms, variant="once")
+        grid = [MmvqConfig(b, s, g, w, "once") for b in (4, 8, 16) for s in (1, 2)
+                for g in (4, 8) for w in (1, 2, 4)]  # fmt: skip
+        results = []
+        for cfg in dict.fromkeys([default, *grid]):
+            groups = k // 256
+            if groups % cfg.split_k or cfg.groups > groups // cfg.split_k:
+                continue
+            try:
+                r = bench_matmul("mmvq", 1, n, k, T.Q6_K, torch.bfloat16, gen=gen, config=cfg,
+                                 padded=True)  # fmt: skip
+            except Exception as exc:  # a config the compiler rejects: report, go on
+                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            results.append((r.us, cfg, r))
+        report(f"MMVQ once M=1 N={n} K={k} Q6_K padded", results, default)
+        torch.cuda.empty_cache()
+    default = moe_mmvq.DEFAULT_CONFIG
+    grid = [replace(default, down_block_n=n, down_groups=g, down_warps=w, down_experts=e)
+            for n in (4, 8) for g in (1, 4) for w in (2, 4, 8) for e in (4, 8)]  # fmt: skip
+    grid += [replace(default, down_rows=False, down_experts=e) for e in (2, 8)]
+    for t in (1, 8):
+        results = []
+        for cfg in dict.fromkeys([default, *grid]):
+            try:
+                r = bench_moe(t, (T.Q4_K, T.Q6_K), torch.bfloat16, "mmvq", gen=gen,
+                              mmvq_cfg=cfg, padded=True)  # fmt: skip
+            except Exception as exc:
+                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            results.append((r.us, cfg, r))
+            torch.cuda.empty_cache()
+        report(f"MoE layer T={t} Q4_K/Q6_K padded, down variants", results, default)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -818,6 +874,9 @@ def main() -> int:
     parser.add_argument(
         "--sweep-q6k-layout", action="store_true", help="Q6_K native against padded blocks"
     )
+    parser.add_argument(
+        "--sweep-q6k-padded", action="store_true", help="launch shapes for padded Q6_K"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -841,6 +900,7 @@ def main() -> int:
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),
         (args.sweep_q6k_layout, sweep_q6k_layout),
+        (args.sweep_q6k_padded, sweep_q6k_padded),
     ]
     if any(on for on, _ in sweeps):
         for on, run in sweeps:

@@ -99,12 +99,13 @@
 #                                        30B's decode native then padded (c1-32)
 #   bench/scripts/gpu_figures.sh s9b     the same decode padded then native; greedy GPU vs CPU;
 #                                        prefix reuse
+#   bench/scripts/gpu_figures.sh s9c     launch shapes for padded Q6_K (dense once GEMV, MoE down)
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -693,6 +694,10 @@ PY
     timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 4 \
       --json "$out/greedy.json" | tail -8
     prefix
+    ;;
+  s9c)  # launch shapes for padded Q6_K: the dense "once" GEMV, the MoE down kernel
+    timeout 520 python3 bench/kernels_gpu.py --sweep-q6k-padded 2>&1 | tee "$out/q6k_padded.log" \
+      | grep -v "^    T="
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
