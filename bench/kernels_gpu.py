@@ -805,7 +805,7 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
             print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
 
     for n, k in ((151936, 2048), (512, 2048), (4096, 12288)):
-        default = mmvq_config(n, k, sms, variant="once")
+        default = mmvq_config(n, k, sms, variant="once", padded=True)
         grid = [MmvqConfig(b, s, g, w, "once") for b in (4, 8, 16) for s in (1, 2)
                 for g in (4, 8) for w in (1, 2, 4)]  # fmt: skip
         results = []

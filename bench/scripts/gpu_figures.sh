@@ -100,12 +100,13 @@
 #   bench/scripts/gpu_figures.sh s9b     the same decode padded then native; greedy GPU vs CPU;
 #                                        prefix reuse
 #   bench/scripts/gpu_figures.sh s9c     launch shapes for padded Q6_K (dense once GEMV, MoE down)
+#   bench/scripts/gpu_figures.sh s9d     8B and 30B figures; prefix reuse padded, then native
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -698,6 +699,22 @@ PY
   s9c)  # launch shapes for padded Q6_K: the dense "once" GEMV, the MoE down kernel
     timeout 520 python3 bench/kernels_gpu.py --sweep-q6k-padded 2>&1 | tee "$out/q6k_padded.log" \
       | grep -v "^    T="
+    ;;
+  s9d)  # the 8B and 30B figures with padded Q6_K's launch shapes; prefix reuse, padded then
+    # native
+    synth qwen3-8b q8; q8
+    synth qwen3-30b-a3b q30
+    bench q30 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
+    prefix
+    native='import moestream.models.base as b; b.CausalLM.pad_q6_k = False; '
+    timeout 120 python3 -c "${native}import sys; from moestream.cli import main; sys.exit(main())" \
+      bench /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512 --decode-depths 0 \
+      --decode-tokens 16 --repeats 2 --prefix-reuse 32768:31744 --out /tmp/r/prefix_native \
+      > /tmp/r/prefix_native.log 2>&1
+    echo "[prefix native rc=$?]"; grep "^| cold\|^| warm" /tmp/r/prefix_native.log
+    cp /tmp/r/prefix_native/result.json "$out/prefix_native.json" 2>/dev/null
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

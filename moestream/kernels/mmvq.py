@@ -531,7 +531,12 @@ def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 32) -
 
 
 def mmvq_config(
-    n: int, k: int, sms: int, m_block: int = 1, variant: str = DEFAULT_VARIANT
+    n: int,
+    k: int,
+    sms: int,
+    m_block: int = 1,
+    variant: str = DEFAULT_VARIANT,
+    padded: bool = False,
 ) -> MmvqConfig:
     """4 rows per program (2 while that leaves fewer than two programs per SM); a K split (a
     power of two, >= 8 groups per split; its partials cost two more launches) only while the
@@ -540,7 +545,8 @@ def mmvq_config(
     three or more steps, e.g. K >= 2048 at M = 4); from the H200 sweep
     (`bench/kernels_gpu.py --sweep`): 4 rows and 8 groups per step were fastest or within 3% on
     every decode shape of Qwen3-30B-A3B and Qwen3-8B. "once": up to 8 groups per step, 2 warps
-    (capped by `mmvq_once.once_warps`); nothing depends on M, so a row's bits do not either."""
+    (capped by `mmvq_once.once_warps`); nothing depends on M, so a row's bits do not either.
+    `padded` (Q6_K in 224-byte blocks) has shapes of its own for the head and K >= 8192."""
     block_n = 4
     if triton.cdiv(n, block_n) < 2 * sms:
         block_n = 2
@@ -549,6 +555,14 @@ def mmvq_config(
     split_k = 1
     while 2 * programs * split_k < sms and groups % (split_k * 2) == 0 and groups // split_k >= 8:
         split_k *= 2
+    if variant == "once" and padded:
+        # H200, padded Q6_K (`bench/kernels_gpu.py --sweep-q6k-padded`, 2026-11-30): the
+        # 151936 x 2048 head 74.3 us with 4 rows and 4 groups a step (80.6 with the 16 rows
+        # below), the 4096 x 12288 8B down 16.7 us with 4 rows, 8 groups, 2 warps (22.4).
+        if n >= 1 << 16 and split_k == 1:
+            return MmvqConfig(4, 1, min(4, groups), 4, "once")
+        if groups // split_k >= 32:
+            return MmvqConfig(4, split_k, 8, 2, "once")
     if variant == "once":
         # From the same sweep: 16 rows per program for an output head (N >= 64k rows: 124 us
         # against 145 with 4), 8 rows and 16 groups per step for K >= 8192 (8B down: 27.7
@@ -610,7 +624,7 @@ def mmvq(
     if m == 0:
         return out
     m_block = triton.next_power_of_2(m)
-    cfg = config or mmvq_config(n, k, num_sms(a.q.device), m_block)
+    cfg = config or mmvq_config(n, k, num_sms(a.q.device), m_block, padded=w.padded)
     groups = k // 256
     if groups % cfg.split_k or cfg.groups & (cfg.groups - 1):
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
