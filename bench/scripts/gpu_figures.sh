@@ -101,12 +101,13 @@
 #                                        prefix reuse
 #   bench/scripts/gpu_figures.sh s9c     launch shapes for padded Q6_K (dense once GEMV, MoE down)
 #   bench/scripts/gpu_figures.sh s9d     8B and 30B figures; prefix reuse padded, then native
+#   bench/scripts/gpu_figures.sh s9e     paired q/k + v projections: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d|s9e}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -715,6 +716,24 @@ PY
       > /tmp/r/prefix_native.log 2>&1
     echo "[prefix native rc=$?]"; grep "^| cold\|^| warm" /tmp/r/prefix_native.log
     cp /tmp/r/prefix_native/result.json "$out/prefix_native.json" 2>/dev/null
+    ;;
+  s9e)  # GPU tests of the paired projections; the 30B's batch-1 decode without and with them,
+    # interleaved (off, on, on, off)
+    timeout 60 python3 -m pytest tests/kernels/test_padded_q6k.py -q -p no:cacheprovider \
+      -k "pair" 2>&1 | tail -3
+    timeout 90 python3 -m pytest tests/layers/test_q8_fusion.py tests/runner/test_cuda_graph.py \
+      -m gpu -q -p no:cacheprovider 2>&1 | tail -3
+    synth qwen3-30b-a3b q30
+    unpaired='import moestream.layers.linear as l; l.PAIR_PROJECTIONS = False; '
+    for arm in off1 on1 on2 off2; do
+      pre=""; [[ $arm == off* ]] && pre=$unpaired
+      timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+        --decode-depths 0 --decode-tokens 32 --repeats 3 --out "/tmp/r/pair_$arm" \
+        > /tmp/r/pair.log 2>&1
+      echo "[pair $arm rc=$?]"; grep "^| 0 " /tmp/r/pair.log
+      cp "/tmp/r/pair_$arm/result.json" "$out/pair_$arm.json" 2>/dev/null
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

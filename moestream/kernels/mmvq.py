@@ -649,6 +649,48 @@ def mmvq(
     return out
 
 
+def mmvq_pair(
+    a: Q8Act,
+    w: QTensor,
+    w2: QTensor,
+    out_dtype: torch.dtype = torch.float32,
+    config: MmvqConfig | None = None,
+) -> torch.Tensor:
+    """[M, N + N2]: `mmvq` of `a` with w, then with w2 (both 2-D, types in MMVQ_DENSE_QTYPES,
+    the same K), in one launch of the "once" kernel: one launch less where a layer's
+    projections over one input do not share a type (Qwen3's Q4_K q/k and Q6_K v in the
+    Q4_K_M mix). `config` (variant "once", no K split) serves both; by default
+    `mmvq_config`'s for N + N2 rows without the split."""
+    for x in (w, w2):
+        check_weight(x, 2)
+        if x.qtype not in MMVQ_DENSE_QTYPES:
+            raise ValueError(f"mmvq_pair: no kernel for {x.qtype.name}")
+        if x.shape[1] != a.k:
+            raise ValueError(f"activations have K={a.k}, weight {x.shape}")
+    m, k, n, n2 = a.rows, a.k, w.shape[0], w2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"mmvq_pair takes at most {MAX_M} rows, got {m}")
+    out = torch.empty((m, n + n2), dtype=out_dtype, device=a.q.device)
+    if m == 0:
+        return out
+    m_block = triton.next_power_of_2(m)
+    groups = k // 256
+    cfg = config or mmvq_config(n + n2, k, num_sms(a.q.device), m_block, "once")
+    if cfg.split_k != 1 or cfg.variant != "once":
+        if config is not None:
+            raise ValueError(f"mmvq_pair: {cfg} must be the once variant without a K split")
+        g = 1 << (min(groups, 8).bit_length() - 1)
+        cfg = MmvqConfig(cfg.block_n, 1, g, cfg.num_warps, "once")
+    if cfg.groups & (cfg.groups - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"{cfg}: groups and block_n must be powers of two")
+    check_rows_aligned(w, "mmvq_pair")
+    check_rows_aligned(w2, "mmvq_pair")
+    from moestream.kernels.mmvq_once import launch_mmvq_once_pair  # it imports this module
+
+    launch_mmvq_once_pair(a, w, w2, out, cfg, m_block)
+    return out
+
+
 __all__ = [
     "MAX_M",
     "MMVQ_DENSE_QTYPES",
@@ -658,6 +700,7 @@ __all__ = [
     "Q8Act",
     "dequantize_q8",
     "mmvq",
+    "mmvq_pair",
     "mmvq_config",
     "mmvq_ref",
     "quantize_q8",

@@ -222,27 +222,18 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
 
 
 @triton.jit
-def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm,
-                      stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr,
-                      QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
-                      G: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Program (BLOCK_N rows, K split): the "once" variant (module docstring). The tile is ordered
-    [R, 2, MB, 4] so that M comes last among the non-contiguous dimensions: the layout gives
-    the lanes to the runs, M goes to registers, and the activation tile and the weight tiles
-    [R, 2, 1, 4] share one layout at any M. Each row's [R, 2, MB, 1] partials are added to
-    column `row` of one [R, 2, MB, BN] tile (a select in registers); the steps' partials are
-    summed per element in step order, then reduced once by `tree_sum` (the only layout
-    conversion, one barrier). A fixed order: a row's bits do not depend on M (rows past M
-    repeat row M - 1). Up to two steps are unrolled at M <= 2 (their loads can all be in
-    flight); more run as a loop (unrolling six steps of 16 rows took minutes to compile; two
-    steps at M = 8 spilled). Unrolled or not, the arithmetic is the same."""
-    pdl_start(PDL)
+def _once_rows(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, pid_n, stride_qm, stride_dm,
+               stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr,
+               QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
+               G: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Rows pid_n * BLOCK_N .. of w (N rows) against the activations, K split
+    `tl.program_id(1)`: the body of `_mmvq_once_kernel` (see there)."""
     SUB: tl.constexpr = 8 if QTYPE == Q8_0 else 4  # runs per group
     R: tl.constexpr = SUB * G
     g_lo = tl.program_id(1) * GROUPS_PER_SPLIT
     g_end = g_lo + GROUPS_PER_SPLIT
-    rows0 = w_ptr + (tl.program_id(0) * BLOCK_N).to(tl.int64) * stride_wn
-    rows_last = N - 1 - tl.program_id(0) * BLOCK_N  # rows past N repeat row N - 1
+    rows0 = w_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    rows_last = N - 1 - pid_n * BLOCK_N  # rows past N repeat row N - 1
     r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
     h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
     m = tl.minimum(tl.arange(0, M_BLOCK), M - 1)[None, None, :, None]  # [1, 1, MB, 1]
@@ -263,10 +254,52 @@ def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stri
                                xq, xd, xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
     # [MB, BN, R, 2]: a row's elements in (run, half) order, as `tree_sum` takes them
     out = tree_sum(tl.permute(parts, (2, 3, 0, 1)), M_BLOCK, BLOCK_N, 2 * R)
-    nn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     mm = tl.arange(0, M_BLOCK)[:, None]
     dst = out_ptr + tl.program_id(1) * stride_os + mm * stride_om + nn
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(mm < M) & (nn < N))
+
+
+@triton.jit
+def _mmvq_once_kernel(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, stride_qm, stride_dm,
+                      stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr,
+                      QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr,
+                      G: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Program (BLOCK_N rows, K split): the "once" variant (module docstring). The tile is ordered
+    [R, 2, MB, 4] so that M comes last among the non-contiguous dimensions: the layout gives
+    the lanes to the runs, M goes to registers, and the activation tile and the weight tiles
+    [R, 2, 1, 4] share one layout at any M. Each row's [R, 2, MB, 1] partials are added to
+    column `row` of one [R, 2, MB, BN] tile (a select in registers); the steps' partials are
+    summed per element in step order, then reduced once by `tree_sum` (the only layout
+    conversion, one barrier). A fixed order: a row's bits do not depend on M (rows past M
+    repeat row M - 1). Up to two steps are unrolled at M <= 2 (their loads can all be in
+    flight); more run as a loop (unrolling six steps of 16 rows took minutes to compile; two
+    steps at M = 8 spilled). Unrolled or not, the arithmetic is the same."""
+    pdl_start(PDL)
+    _once_rows(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, tl.program_id(0), stride_qm,
+               stride_dm, stride_wn, stride_os, stride_om, GROUPS_PER_SPLIT, QTYPE, BLOCK_N,
+               M_BLOCK, G, ASM)  # fmt: skip
+
+
+@triton.jit
+def _mmvq_once_pair_kernel(q_ptr, d_ptr, s_ptr, w_ptr, w2_ptr, out_ptr, M, N, N2, P1,
+                           stride_qm, stride_dm, stride_wn, stride_wn2, stride_om,
+                           GROUPS: tl.constexpr, QTYPE: tl.constexpr, QTYPE2: tl.constexpr,
+                           BLOCK_N: tl.constexpr, M_BLOCK: tl.constexpr, G: tl.constexpr,
+                           ASM: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Two weights of possibly different types against the same activations in one launch
+    (e.g. a Q4_K q/k stack and a Q6_K v): programs below P1 take w's N rows into columns
+    0 .. N - 1 of out, the others w2's N2 rows into columns N ..; each row computed as
+    `_mmvq_once_kernel` computes it (no K split)."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    if pid < P1:
+        _once_rows(q_ptr, d_ptr, s_ptr, w_ptr, out_ptr, M, N, pid, stride_qm, stride_dm,
+                   stride_wn, 0, stride_om, GROUPS, QTYPE, BLOCK_N, M_BLOCK, G, ASM)  # fmt: skip
+    else:
+        _once_rows(q_ptr, d_ptr, s_ptr, w2_ptr, out_ptr + N, M, N2, pid - P1, stride_qm,
+                   stride_dm, stride_wn2, 0, stride_om, GROUPS, QTYPE2, BLOCK_N, M_BLOCK, G,
+                   ASM)  # fmt: skip
 
 
 def runs_per_group(*qtypes: GGMLQuantizationType) -> int:
@@ -301,4 +334,20 @@ def launch_mmvq_once(
         stride_os, dst.stride(-2), groups // cfg.split_k, QTYPE=kernel_qtype(w),
         BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
         ASM=use_asm(dst.device), num_warps=once_warps(cfg, sub), **pdl_args(dst.device),
+    )  # fmt: skip
+
+
+def launch_mmvq_once_pair(
+    a: Q8Act, w: QTensor, w2: QTensor, out: torch.Tensor, cfg: MmvqConfig, m_block: int
+) -> None:
+    """Launch `_mmvq_once_pair_kernel` for `mmvq.mmvq_pair` (arguments checked there): out
+    [M, N + N2] = a against w's rows, then w2's, with `cfg` (no K split)."""
+    m, n, n2, groups = a.rows, w.shape[0], w2.shape[0], a.k // 256
+    sub = runs_per_group(w.qtype, w2.qtype)
+    p1 = triton.cdiv(n, cfg.block_n)
+    _mmvq_once_pair_kernel[(p1 + triton.cdiv(n2, cfg.block_n),)](
+        a.q, a.d, a.s, w.data, w2.data, out, m, n, n2, p1, a.q.stride(0), a.d.stride(0),
+        w.data.stride(0), w2.data.stride(0), out.stride(0), groups, QTYPE=kernel_qtype(w),
+        QTYPE2=kernel_qtype(w2), BLOCK_N=cfg.block_n, M_BLOCK=m_block, G=cfg.groups,
+        ASM=use_asm(out.device), num_warps=once_warps(cfg, sub), **pdl_args(out.device),
     )  # fmt: skip

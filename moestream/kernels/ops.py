@@ -246,6 +246,35 @@ def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.
     return y.reshape(*lead, w.shape[0])  # [..., N]
 
 
+def quant_matmul_pair(
+    x: torch.Tensor, w: QTensor, w2: QTensor, xa: Q8Act | None = None
+) -> torch.Tensor:
+    """[..., N + N2] = x @ W.T then x @ W2.T, as `quant_matmul` computes each: where both take
+    the integer-dot decode kernel (`mmvq`) and step the same runs per group, in one launch
+    (`mmvq.mmvq_pair`); elsewhere (other paths, batch-invariant mode, the CPU) as two products
+    side by side."""
+    if (
+        _use_kernels(x, w, w2)
+        and not batch_invariant_enabled()
+        and len(w.shape) == len(w2.shape) == 2
+        and x.numel() > 0
+        and (w.qtype == _Q.Q8_0) == (w2.qtype == _Q.Q8_0)  # the same runs per group
+    ):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        if _matmul_path(x2, w) == "mmvq" and _matmul_path(x2, w2) == "mmvq":
+            from moestream.kernels.mmvq import mmvq_pair, quantize_q8
+
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            if xa is not None:
+                _check_q8(xa, *x2.shape)
+            a = xa if xa is not None else quantize_q8(x2)
+            y = mmvq_pair(a, w, w2, out_dtype=x2.dtype)
+            return y.reshape(*lead, y.shape[-1])
+    return torch.cat([quant_matmul(x, w, xa), quant_matmul(x, w2, xa)], dim=-1)
+
+
 def invariant_quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.Tensor:
     """x [M, K] @ W.T on the kernel path with every row's result independent of M: the
     integer-dot kernel on chunks of at most MMVQ_MAX_M rows for its types (their q8 rows from

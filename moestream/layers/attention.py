@@ -17,9 +17,10 @@ import torch
 
 from moestream.config import ModelConfig
 from moestream.kernels.ops import batch_invariant_enabled
-from moestream.layers.linear import Linear, fuse_linears, needs_host_table
+from moestream.layers.linear import Linear, PairedLinear, fuse_linears, needs_host_table
 from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
 from moestream.layers.rope import RotaryEmbedding, apply_rope
+from moestream.weights.qtensor import QTensor
 
 # Contexts up to which the decode kernel keeps its least split count whatever the batch. H200,
 # 30B-A3B heads (bench/attention_gpu.py, 2026-11-30), batch 1: 16 splits 7.7 us at 512 tokens
@@ -368,11 +369,17 @@ class Attention:
         else:
             self.projections = [(p, [p.out_features]) for p in parts]
 
+    def weights(self) -> list[QTensor]:
+        """The projections' weights (q, k, v as merged or paired, then o)."""
+        out: list[QTensor] = []
+        for p, _ in self.projections:
+            out.extend(p.weights if isinstance(p, PairedLinear) else (p.weight,))
+        return [*out, self.o_proj.weight]
+
     @property
     def capturable(self) -> bool:
         """No weight of this layer needs a host copy to dequantize (`needs_host_table`)."""
-        weights = [p.weight for p, _ in self.projections] + [self.o_proj.weight]
-        return not any(needs_host_table(w) for w in weights)
+        return not any(needs_host_table(w) for w in self.weights())
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, n, D], k [T, g, D], v [T, g, D] (views of merged outputs)."""

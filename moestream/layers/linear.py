@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
-from moestream.kernels.ops import HAS_TRITON, kernel_weight, quant_matmul
+from moestream.kernels.ops import HAS_TRITON, kernel_weight, quant_matmul, quant_matmul_pair
 from moestream.layers.norm import q8_of, vector_weight
 from moestream.weights.qtensor import QTensor
 
@@ -124,12 +124,43 @@ class Linear:
         return y
 
 
-def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear, list[int]]]:
+class PairedLinear:
+    """Two bias-free linears over the same input whose weights do not share a type, computed
+    as one: y [..., Na + Nb] (`ops.quant_matmul_pair`: one launch where both take the
+    integer-dot decode kernel, two products elsewhere)."""
+
+    def __init__(self, a: Linear, b: Linear):
+        if a.bias is not None or b.bias is not None:
+            raise ValueError("PairedLinear takes linears without biases")
+        self.a, self.b = a, b
+
+    @property
+    def out_features(self) -> int:
+        return self.a.out_features + self.b.out_features
+
+    @property
+    def weights(self) -> tuple[QTensor, QTensor]:
+        return self.a.weight, self.b.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if device_path(x):
+            return quant_matmul_pair(x, self.a.weight, self.b.weight, q8_of(x))
+        return torch.cat([self.a(x), self.b(x)], dim=-1)
+
+
+# Whether `fuse_linears` pairs two linears of different types (`PairedLinear`); off only to
+# time the layers without it (bench/scripts/gpu_figures.sh s9e).
+PAIR_PROJECTIONS = True
+
+
+def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear | PairedLinear, list[int]]]:
     """Consecutive linears over the same input merged where their weights share a type: each
     entry is (a linear, the output sizes of the parts it computes, in order).
 
     Weights are concatenated along N (quantized rows are independent), biases likewise; parts
     merge only when all or none of them have a bias. One launch then computes, e.g., Q, K and V.
+    Where that leaves two bias-free linears of different types (Qwen3's Q4_K q/k and Q6_K v in
+    the Q4_K_M mix), they become one `PairedLinear`: one launch at decode as well.
     Used on CUDA only: on the CPU the per-part matmuls are kept for their exact bits.
     """
     groups: list[list[Linear]] = []
@@ -157,4 +188,7 @@ def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear, list[int]]]:
         if group[0].bias is not None:
             merged.bias = torch.cat([p.bias for p in group])  # type: ignore[misc]
         fused.append((merged, sizes))
+    if PAIR_PROJECTIONS and len(fused) == 2 and all(lin.bias is None for lin, _ in fused):
+        (a, sa), (b, sb) = fused
+        return [(PairedLinear(a, b), sa + sb)]  # type: ignore[arg-type]
     return fused

@@ -52,7 +52,7 @@ class DecoderLayer:
     def attn_takes_q8(self, x: torch.Tensor) -> bool:
         """Whether a Q/K/V projection of attn_norm's output (shaped as x [T, H]) rounds it to q8
         blocks: attn_norm then does it (`RMSNorm(q8=True)`) and the projections share it."""
-        return any(ops.takes_q8(x, proj.weight) for proj, _ in self.attn.projections)
+        return any(ops.takes_q8(x, w) for w in self.attn.weights()[:-1])
 
     def ffn_takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the FFN rounds ffn_norm's output (shaped as x [T, H]) to q8 blocks: the MoE's
@@ -242,7 +242,7 @@ class CausalLM:
                 weights += experts.stacked()
             if isinstance(ffn, GatedMLP):
                 weights += [ffn.gate, ffn.up, ffn.down]
-            weights += [p.weight for p, _ in attn.projections] + [attn.o_proj.weight]
+            weights += attn.weights()
             for w in weights:
                 size = math.prod(w.shape) * probe.element_size()
                 if w.values is None and _use_kernels(probe, w) and used + size <= budget_bytes:
@@ -282,7 +282,7 @@ class CausalLM:
             if isinstance(ffn, GatedMLP):
                 for w in (ffn.gate, ffn.up, ffn.down):
                     keep(w)
-            for w in [p.weight for p, _ in attn.projections] + [attn.o_proj.weight]:
+            for w in attn.weights():
                 keep(w)
         keep(self.lm_head)
         return used

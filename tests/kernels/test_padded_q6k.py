@@ -131,3 +131,60 @@ def test_fused_moe_reads_padded_experts_bit_exactly(experts, method, t, cfg) -> 
         got = fused_moe(x, ids, weights, gate.aligned(), padded(up), padded(down), slot,
                         out=out, method=method, **kw)  # fmt: skip
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize(
+    "types",
+    [(T.Q4_K, T.Q6_K, True), (T.Q4_K, T.Q6_K, False), (T.IQ4_XS, T.Q5_K, False)],
+    ids=["q4k-q6k-padded", "q4k-q6k", "iq4xs-q5k"],
+)
+def test_mmvq_pair_gives_each_weights_rows_as_mmvq_does(m: int, types) -> None:
+    """One launch over two weights of different types (Qwen3's q/k and v): each part's columns
+    are, bit for bit, `mmvq` of that weight alone with the same launch shape."""
+    from moestream.kernels.mmvq import mmvq_pair
+
+    w = random_blocks(types[0], 24, 512, seed=20 + m)
+    w2 = random_blocks(types[1], 10, 512, seed=21 + m)
+    if types[2]:
+        w2 = padded(w2)
+    a = quantize_q8(activations(m, 512, torch.float32, seed=22))
+    cfg = MmvqConfig(block_n=4, split_k=1, groups=2, num_warps=2, variant="once")
+    y = mmvq_pair(a, w, w2, config=cfg)
+    assert y.shape == (m, 34)
+    assert torch.equal(y[:, :24], mmvq(a, w, config=cfg))
+    assert torch.equal(y[:, 24:], mmvq(a, w2, config=cfg))
+    with pytest.raises(ValueError, match="without a K split"):
+        mmvq_pair(a, w, w2, config=MmvqConfig(4, 2, 1, 2, "once"))
+
+
+def test_q_k_v_of_two_types_become_one_paired_projection(monkeypatch) -> None:
+    """fuse_linears: Q4_K q and k merged, the Q6_K v paired with them; on the kernel path the
+    pair is one `mmvq_pair` launch whose columns are the separate products' bits."""
+    from moestream.kernels import mmvq as mmvq_module
+    from moestream.layers import linear as linear_layer
+    from moestream.layers.linear import Linear, PairedLinear, fuse_linears
+
+    q, k = (Linear(random_blocks(T.Q4_K, n, 512, seed=s)) for n, s in ((16, 30), (8, 31)))
+    v = Linear(padded(random_blocks(T.Q6_K, 8, 512, seed=32)))
+    fused = fuse_linears([q, k, v])
+    assert len(fused) == 1 and isinstance(fused[0][0], PairedLinear)
+    assert fused[0][1] == [16, 8, 8]
+    x = activations(1, 512, torch.bfloat16, seed=33)
+    cpu = fused[0][0](x)  # the CPU: two products side by side
+    assert torch.equal(cpu, torch.cat([q(x), k(x), v(x)], dim=-1))
+    monkeypatch.setattr(linear_layer, "device_path", lambda x: True)
+    monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)
+    calls = []
+    real = mmvq_module.mmvq_pair
+    monkeypatch.setattr(
+        mmvq_module, "mmvq_pair", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    y = fused[0][0](x)
+    assert calls == [1]
+    qk = fused[0][0].a.weight
+    assert torch.equal(y[:, :24], ops.quant_matmul(x, qk))
+    assert torch.equal(y[:, 24:], ops.quant_matmul(x, v.weight))
+    # a bias keeps them apart
+    vb = Linear(v.weight, bias=QTensor.from_float(torch.ones(8)))
+    assert not any(isinstance(p, PairedLinear) for p, _ in fuse_linears([q, k, vb]))
