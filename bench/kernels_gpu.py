@@ -367,6 +367,16 @@ def print_row(r: Row, copy_gbs: float) -> None:
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def print_best(title: str, results: list, default, copy_gbs: float) -> None:
+    """A sweep's (us, config, Row) results: the 5 fastest and the default, with GB/s."""
+    results.sort(key=lambda item: item[0])
+    print(f"\n{title}: {len(results)} configs")
+    for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
+        gbs = r.nbytes / us / 1e3
+        mark = " (default)" if cfg == default else ""
+        print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+
+
 def sweep(gen, copy_gbs: float) -> None:
     """Decode MMVQ (M=1) over launch configurations; the 5 fastest per shape and the default."""
     from moestream.kernels.mmvq import MmvqConfig, mmvq_config
@@ -389,12 +399,7 @@ def sweep(gen, copy_gbs: float) -> None:
                 print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             results.append((r.us, cfg, r))
-        results.sort(key=lambda item: item[0])
-        print(f"\nMMVQ M=1 N={n} K={k} {qtype.name}: {len(results)} configs")
-        for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
-            gbs = r.nbytes / us / 1e3
-            mark = " (default)" if cfg == default else ""
-            print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
+        print_best(f"MMVQ M=1 N={n} K={k} {qtype.name}", results, default, copy_gbs)
         torch.cuda.empty_cache()
 
 
@@ -796,14 +801,6 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def report(title, results, default):
-        results.sort(key=lambda item: item[0])
-        print(f"\n{title}: {len(results)} configs")
-        for us, cfg, r in results[:5] + [item for item in results if item[1] == default]:
-            gbs = r.nbytes / us / 1e3
-            mark = " (default)" if cfg == default else ""
-            print(f"  {us:8.1f} us {gbs:7,.0f} GB/s {100 * gbs / copy_gbs:4.0f}%  {cfg}{mark}")
-
     for n, k in ((151936, 2048), (512, 2048), (4096, 12288)):
         default = mmvq_config(n, k, sms, variant="once", padded=True)
         grid = [MmvqConfig(b, s, g, w, "once") for b in (4, 8, 16) for s in (1, 2)
@@ -820,7 +817,7 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
                 print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             results.append((r.us, cfg, r))
-        report(f"MMVQ once M=1 N={n} K={k} Q6_K padded", results, default)
+        print_best(f"MMVQ once M=1 N={n} K={k} Q6_K padded", results, default, copy_gbs)
         torch.cuda.empty_cache()
     default = moe_mmvq.DEFAULT_CONFIG
     grid = [replace(default, down_block_n=n, down_groups=g, down_warps=w, down_experts=e)
@@ -837,7 +834,7 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
                 continue
             results.append((r.us, cfg, r))
             torch.cuda.empty_cache()
-        report(f"MoE layer T={t} Q4_K/Q6_K padded, down variants", results, default)
+        print_best(f"MoE layer T={t} Q4_K/Q6_K padded, down variants", results, default, copy_gbs)
 
 
 def main() -> int:

@@ -260,84 +260,66 @@ def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
-def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
-    """Add Q6_K runs (210-byte blocks) to acc [MB, BN, R, 8]; arguments as `_acc_q4_k`, with
-    c = 2n + t: half n (128 values), quarter r = 2p + t; ql word at 64n + 32t + 4w (nibble p),
-    qh word at 128 + 32n + 4w (bits 2r); values k = 128n + 32r + 4w + i, minus 32; int8 scale
-    8n + 2r + w // 4 (one per 16 values); d float16 at 208."""
+def q6_k_fields(rows, sb, n, t, w, ok, PADDED: tl.constexpr):
+    """(ql, qh, sc0, sc1, d) of word w of run c = 2n + t of groups sb of Q6_K rows (byte
+    pointers `rows`, all tensors in the tile's shape; 0 where not `ok`): the ql and qh words
+    (int32; `_acc_q6_k` says which values they hold), the int8 scales 8n + 2t + w // 4 and
+    + 4 as int32, d as float32. File blocks (210 bytes, 2-byte aligned) are read as 16-bit
+    halves and bytes; padded ones (224 bytes, `QTensor.aligned`) as 32-bit words and one 8-byte
+    load of scales 8n .. 8n + 7."""
+    if PADDED:
+        base = rows + sb * 224
+        p = base.to(tl.pointer_type(tl.int32))
+        ql = tl.load(p + 16 * n + 8 * t + w, mask=ok, other=0)  # byte 64n + 32t + 4w
+        qh = tl.load(p + 32 + 8 * n + w, mask=ok, other=0)  # byte 128 + 32n + 4w
+        s = tl.load((base + 192 + 8 * n).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
+        sh = 24 - 8 * (2 * t + w // 4)
+        sc0 = (s.to(tl.int32) << sh) >> 24  # sign-extended byte of scales 8n .. 8n + 3
+        sc1 = ((s >> 32).to(tl.int32) << sh) >> 24  # of 8n + 4 .. 8n + 7
+    else:
+        base = rows + sb * 210
+        h = base.to(tl.pointer_type(tl.int16))
+        ql = word16(h + 32 * n + 16 * t + 2 * w, ok)
+        qh = word16(h + 64 + 16 * n + 2 * w, ok)
+        sp = (base + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
+        sc0 = tl.load(sp, mask=ok, other=0).to(tl.int32)
+        sc1 = tl.load(sp + 4, mask=ok, other=0).to(tl.int32)
+    return ql, qh, sc0, sc1, f16_at(base + 208, ok)
+
+
+@triton.jit
+def _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, PADDED: tl.constexpr, ASM: tl.constexpr):
+    """Add Q6_K runs (210-byte blocks; 224 when PADDED, `QTensor.aligned`) to acc
+    [MB, BN, R, 8]; arguments as `_acc_q4_k`, with c = 2n + t: half n (128 values), quarter
+    r = 2p + t; ql word at 64n + 32t + 4w (nibble p), qh word at 128 + 32n + 4w (bits 2r);
+    values k = 128n + 32r + 4w + i, minus 32; int8 scale 8n + 2r + w // 4 (one per 16 values);
+    d float16 at 208. File blocks are read as 16-bit halves and bytes, padded ones as 32-bit
+    words and one 8-byte scale load; the arithmetic is the same, so are the bits (an expert
+    read from a host tier, unpadded, must give what a resident one gives)."""
     z = tl.zeros(acc.shape, tl.int32)
-    # Words in a permuted order (3w mod 8): these blocks are 2-byte aligned, so the weight
+    # Words in a permuted order (3w mod 8): file blocks are 2-byte aligned, so the weight
     # words come from 16-bit loads with no contiguity; a permuted index gives every other
     # load no contiguity either, so all loads get one register layout (no shared-memory
-    # conversions, no barriers between the loads in the sm_90 build).
+    # conversions, no barriers between the loads in the sm_90 build). Padded blocks keep the
+    # order: the tile is summed by position.
     w = (tl.arange(0, 8)[None, None, None, :] * 3) % 8 + z
     okf = ok & (w >= 0)
     n = c // 2
     t = c % 2
-    base = rows + sb * 210 + z  # [MB, BN, R, 8]
-    h = base.to(tl.pointer_type(tl.int16))
-    ql = word16(h + 32 * n + 16 * t + 2 * w, okf)
-    qh = word16(h + 64 + 16 * n + 2 * w, okf)
+    ql, qh, sc0, sc1, d = q6_k_fields(rows + z, sb, n, t, w, okf, PADDED)  # [MB, BN, R, 8]
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
     xw = xq + sb * 64 + 32 * n + 8 * t + w
     x0 = tl.load(xw, mask=okf, other=0)
     x1 = tl.load(xw + 16, mask=okf, other=0)
     m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a
-    sp = (base + 192 + 8 * n + 2 * t + w // 4).to(tl.pointer_type(tl.int8))
-    sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
-    sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
     f0 = i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
     f1 = i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
     b0 = sb * 8 + 4 * n + t + z  # activation block of quarter r = t
-    d = f16_at(base + 208, okf) * wt
+    d = d * wt
     xd0 = tl.load(xd + b0, mask=okf, other=0.0)
     xd1 = tl.load(xd + b0 + 2, mask=okf, other=0.0)
     acc = tl.fma(d * xd0, f0, acc)  # explicit FMAs: see `_acc_q4_k`
-    return tl.fma(d * xd1, f1, acc)
-
-
-@triton.jit
-def q6_kp_scales(base, n, t, w, ok):
-    """(sc0, sc1, d) of padded Q6_K blocks (`QTensor.aligned`) at byte pointers `base`: the int8
-    scales 8n + 2t + w // 4 and 8n + 4 + 2t + w // 4 as int32, from one 8-byte load of scales
-    8n .. 8n + 7, and d (float16 at 208) as float32; 0 where not `ok`."""
-    s = tl.load((base + 192 + 8 * n).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
-    sh = 24 - 8 * (2 * t + w // 4)
-    sc0 = (s.to(tl.int32) << sh) >> 24  # sign-extended byte of scales 8n .. 8n + 3
-    sc1 = ((s >> 32).to(tl.int32) << sh) >> 24  # of 8n + 4 .. 8n + 7
-    return sc0, sc1, f16_at(base + 208, ok)
-
-
-@triton.jit
-def _acc_q6_kp(acc, rows, sb, c, ok, wt, xq, xd, ASM: tl.constexpr):
-    """`_acc_q6_k` for padded blocks (224 bytes, `QTensor.aligned`): the weight words are
-    32-bit loads, the scales one 8-byte load. The words keep `_acc_q6_k`'s permuted order: the
-    tile is summed by position, so the same order gives the same bits as the file's blocks
-    (an expert read from a host tier, unpadded, must give what a resident one gives)."""
-    z = tl.zeros(acc.shape, tl.int32)
-    w = (tl.arange(0, 8)[None, None, None, :] * 3) % 8 + z
-    okf = ok & (w >= 0)
-    n = c // 2
-    t = c % 2
-    base = rows + sb * 224 + z  # [MB, BN, R, 8]
-    p = base.to(tl.pointer_type(tl.int32))
-    ql = tl.load(p + 16 * n + 8 * t + w, mask=okf, other=0)  # byte 64n + 32t + 4w
-    qh = tl.load(p + 32 + 8 * n + w, mask=okf, other=0)  # byte 128 + 32n + 4w
-    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # r = t
-    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # r = 2 + t
-    xw = xq + sb * 64 + 32 * n + 8 * t + w
-    x0 = tl.load(xw, mask=okf, other=0)
-    x1 = tl.load(xw + 16, mask=okf, other=0)
-    m32 = z - 522133280  # bytes 0xE0 = -32
-    sc0, sc1, d = q6_kp_scales(base, n, t, w, okf)
-    f0 = i2f(sc0 * dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM))
-    f1 = i2f(sc1 * dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM))
-    b0 = sb * 8 + 4 * n + t + z
-    xd0 = tl.load(xd + b0, mask=okf, other=0.0)
-    xd1 = tl.load(xd + b0 + 2, mask=okf, other=0.0)
-    d = d * wt
-    acc = tl.fma(d * xd0, f0, acc)  # the same operations as `_acc_q6_k`: the same bits
     return tl.fma(d * xd1, f1, acc)
 
 
@@ -363,10 +345,8 @@ def acc_runs(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE: tl.constexpr, ASM: tl.
     its group (0..3, or the block 0..7 for Q8_0)."""
     if QTYPE == Q8_0:
         acc = _acc_q8_0(acc, rows, sb, c, ok, wt, xq, xd, ASM)
-    elif QTYPE == Q6_K:
-        acc = _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, ASM)
-    elif QTYPE == Q6_KP:
-        acc = _acc_q6_kp(acc, rows, sb, c, ok, wt, xq, xd, ASM)
+    elif QTYPE == Q6_K or QTYPE == Q6_KP:  # noqa: SIM109
+        acc = _acc_q6_k(acc, rows, sb, c, ok, wt, xq, xd, QTYPE == Q6_KP, ASM)
     else:
         tl.static_assert((QTYPE == Q4_K) or (QTYPE == Q5_K), "mmvq: unsupported type")  # noqa: SIM109
         acc = _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, QTYPE == Q5_K, ASM)

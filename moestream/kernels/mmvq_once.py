@@ -88,65 +88,50 @@ def _once_q4_k(rows, sb, c, ok, h, j, xa, xb, xd0, xd1, xs0, xs1, Q5: tl.constex
 
 
 @triton.jit
-def _once_q6_k(rows, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM: tl.constexpr):
-    """As `_once_q4_k` for Q6_K (layout of `mmvq._acc_q6_k`): word w = 4h + jp (jp a permutation of
-    0..3: these 2-byte aligned blocks are read as 16-bit halves, and no load may be contiguous
-    along the tile, so that all share one layout); x0, x1 the activation words of quarters t and
-    2 + t; xd0, xd1 their blocks' scales. Scale 8n + 2t + h serves half h."""
-    w = 4 * h + jp
+def _once_q6_k(rows, sb, c, ok, h, jw, x0, x1, xd0, xd1, PADDED: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
+    """As `_once_q4_k` for Q6_K (layout of `mmvq._acc_q6_k`): word w = 4h + jw. File blocks
+    (210 bytes, 2-byte aligned) are read as 16-bit halves with jw a permutation of 0..3 (no
+    load may be contiguous along the tile, so that all share one layout); padded ones (224
+    bytes, `QTensor.aligned`) with jw = j in order (16-byte loads), the 16 scales as four words.
+    x0, x1 the activation words of quarters t and 2 + t; xd0, xd1 their blocks' scales. Scale
+    8n + 2t + h serves half h. The integer sums over jw are exact: the same bits either way."""
+    w = 4 * h + jw
     okw = ok & (w >= 0)
     n = c // 2
     t = c % 2
-    base = rows + sb * 210  # [R, 1, 1, 1]
-    hp = base.to(tl.pointer_type(tl.int16))
-    ql = word16(hp + 32 * n + 16 * t + 2 * w, okw)  # [R, 2, 1, 4]
-    qh = word16(hp + 64 + 16 * n + 2 * w, okw)
+    if PADDED:
+        base = rows + sb * 224  # [R, 1, 1, 1]
+        p = base.to(tl.pointer_type(tl.int32))
+        ql = tl.load(p + 16 * n + 8 * t + w, mask=okw, other=0)  # [R, 2, 1, 4]
+        qh = tl.load(p + 32 + 8 * n + w, mask=okw, other=0)
+    else:
+        base = rows + sb * 210
+        hp = base.to(tl.pointer_type(tl.int16))
+        ql = word16(hp + 32 * n + 16 * t + 2 * w, okw)
+        qh = word16(hp + 64 + 16 * n + 2 * w, okw)
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)
     z = tl.zeros(x0.shape, tl.int32)
     m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset
     s0 = tl.sum(dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM), axis=3)[:, :, :, None]  # |s| < 2^16
     s1 = tl.sum(dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM), axis=3)[:, :, :, None]
-    # The four scales 8n + 2t + (0, 1, 4, 5) of the run at jp = 0, 1, 2, 3 (the same for both
-    # halves: a load contiguous along h would get a layout of its own), and d (float16 at 208);
-    # loads in the tile's shape, half h's scales picked out by where-sums.
-    sp = base + 192 + 8 * n + 2 * t + (jp % 2) + 4 * (jp // 2) + 0 * h
-    sc = tl.load(sp.to(tl.pointer_type(tl.int8)), mask=okw, other=0).to(tl.int32)
-    sc0 = i2f(tl.sum(tl.where(jp == h, sc, 0), axis=3)[:, :, :, None])
-    sc1 = i2f(tl.sum(tl.where(jp == 2 + h, sc, 0), axis=3)[:, :, :, None])
-    dv = f16_at(base + 208 + 0 * w, okw & (jp == 2))
-    d = tl.sum(tl.where(jp == 2, dv, 0.0), axis=3)[:, :, :, None]
-    part = (d * sc1 * xd1) * i2f(s1)
-    return tl.fma(d * sc0 * xd0, i2f(s0), part)
-
-
-@triton.jit
-def _once_q6_kp(rows, sb, c, ok, h, j, x0, x1, xd0, xd1, ASM: tl.constexpr):
-    """`_once_q6_k` for padded blocks (224 bytes, `QTensor.aligned`): word w = 4h + j in order
-    (16-byte loads along j), the 16 scales as four words at j, d at 208; the same operations
-    on the same values, so the same bits."""
-    w = 4 * h + j
-    okw = ok & (w >= 0)
-    n = c // 2
-    t = c % 2
-    base = rows + sb * 224  # [R, 1, 1, 1]
-    p = base.to(tl.pointer_type(tl.int32))
-    ql = tl.load(p + 16 * n + 8 * t + w, mask=okw, other=0)  # [R, 2, 1, 4]
-    qh = tl.load(p + 32 + 8 * n + w, mask=okw, other=0)
-    v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)
-    v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)
-    z = tl.zeros(x0.shape, tl.int32)
-    m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset
-    s0 = tl.sum(dp4a(m32, x0, dp4a(v0, x0, z, ASM), ASM), axis=3)[:, :, :, None]
-    s1 = tl.sum(dp4a(m32, x1, dp4a(v1, x1, z, ASM), ASM), axis=3)[:, :, :, None]
-    # scale words 48 + j (bytes 192 + 4j) for both halves; half h takes scale 8n + 2t + h
-    # (byte 2t + h of word 2n) and 8n + 4 + 2t + h (of word 2n + 1)
-    sw = tl.load(p + 48 + j + 0 * h, mask=okw, other=0)
-    sh = 24 - 8 * (2 * t + h)
-    sc0 = i2f((tl.sum(tl.where(j == 2 * n, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
-    sc1 = i2f((tl.sum(tl.where(j == 2 * n + 1, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
-    dv = f16_at(base + 208 + 0 * w, okw & (j == 0))
-    d = tl.sum(tl.where(j == 0, dv, 0.0), axis=3)[:, :, :, None]
+    # Scales and d from loads in the tile's shape (the same for both halves: a load contiguous
+    # along h would get a layout of its own), half h's picked out by where-sums.
+    if PADDED:
+        # scale words 48 + jw (bytes 192 + 4jw); half h takes byte 2t + h of words 2n, 2n + 1
+        sw = tl.load(p + 48 + jw + 0 * h, mask=okw, other=0)
+        sh = 24 - 8 * (2 * t + h)
+        sc0 = i2f((tl.sum(tl.where(jw == 2 * n, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
+        sc1 = i2f((tl.sum(tl.where(jw == 2 * n + 1, sw, 0), axis=3)[:, :, :, None] << sh) >> 24)
+    else:
+        # the four scales 8n + 2t + (0, 1, 4, 5) of the run at jw = 0, 1, 2, 3
+        sp = base + 192 + 8 * n + 2 * t + (jw % 2) + 4 * (jw // 2) + 0 * h
+        sc = tl.load(sp.to(tl.pointer_type(tl.int8)), mask=okw, other=0).to(tl.int32)
+        sc0 = i2f(tl.sum(tl.where(jw == h, sc, 0), axis=3)[:, :, :, None])
+        sc1 = i2f(tl.sum(tl.where(jw == 2 + h, sc, 0), axis=3)[:, :, :, None])
+    dv = f16_at(base + 208 + 0 * w, okw & (jw == 2))
+    d = tl.sum(tl.where(jw == 2, dv, 0.0), axis=3)[:, :, :, None]
     part = (d * sc1 * xd1) * i2f(s1)
     return tl.fma(d * sc0 * xd0, i2f(s0), part)
 
@@ -187,7 +172,7 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
         c = r % 4
         n = c // 2
         t = c % 2
-        jw = j if QTYPE == Q6_KP else jp  # the word order of `_once_q6_kp` / `_once_q6_k`
+        jw = j if QTYPE == Q6_KP else jp  # the word order of `_once_q6_k`'s two layouts
         xw = xq + sb * 64 + 32 * n + 8 * t + 4 * h + jw
         x0 = tl.load(xw, mask=okx, other=0)
         x1 = tl.load(xw + 16, mask=okx, other=0)
@@ -197,10 +182,7 @@ def _once_step(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd, x
         xd1 = tl.sum(tl.where(jw == 1, xdv, 0.0), axis=3)[:, :, :, None]
         for i in tl.static_range(BLOCK_N):
             row = rows0 + tl.minimum(i, rows_last).to(tl.int64) * stride_wn
-            if QTYPE == Q6_KP:
-                part = _once_q6_kp(row, sb, c, ok, h, j, x0, x1, xd0, xd1, ASM)
-            else:
-                part = _once_q6_k(row, sb, c, ok, h, jp, x0, x1, xd0, xd1, ASM)
+            part = _once_q6_k(row, sb, c, ok, h, jw, x0, x1, xd0, xd1, QTYPE == Q6_KP, ASM)
             parts = tl.where(col == i, parts + part, parts)
     elif (QTYPE == Q4_0) or (QTYPE == IQ4_NL) or (QTYPE == IQ4_XS) or (QTYPE == MXFP4):  # noqa: SIM109
         parts = once_step_codes(parts, rows0, rows_last, stride_wn, sb, r, h, m, j, ok, xq, xd,

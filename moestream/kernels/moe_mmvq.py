@@ -33,14 +33,12 @@ from moestream.kernels.mmvq import (
     Q8Act,
     acc_runs,
     dp4a,
-    f16_at,
     i2f,
     mmvq_rows,
-    q6_kp_scales,
+    q6_k_fields,
     quantize_q8,
     tree_sum,
     use_asm,
-    word16,
 )
 from moestream.kernels.mmvq_once import _once_step, capped_warps, runs_per_group
 from moestream.kernels.pdl import pdl_args, pdl_start
@@ -318,8 +316,8 @@ def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, PADDED: tl.constexpr, ASM: 
     tile's layout (runs and words on the lanes, rows in registers), so the broadcast is free
     and no shared-memory conversion is needed, where the [1, BN, R, 8] tile of `acc_runs`
     loads them per row. PADDED: 224-byte blocks (`QTensor.aligned`), weight words read as 32-bit
-    loads and the scales as one 8-byte load (`mmvq.q6_kp_scales`), words in the same permuted
-    order (the tile is summed by position: the same bits either way, see `mmvq._acc_q6_kp`)."""
+    loads and the scales as one 8-byte load (`mmvq.q6_k_fields`), words in the same permuted
+    order (the tile is summed by position: the same bits either way, see `mmvq._acc_q6_k`)."""
     zx = tl.zeros([acc.shape[0], 8, 1], tl.int32)
     w = (tl.arange(0, 8)[None, :, None] * 3) % 8 + zx  # [R, 8, 1] permuted: see mmvq._acc_q6_k
     okx = ok & (w >= 0)
@@ -334,21 +332,7 @@ def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, PADDED: tl.constexpr, ASM: 
     z = tl.zeros(acc.shape, tl.int32)
     okf = okx & (z >= 0)  # [R, 8, BN]
     wf = w + z
-    if PADDED:
-        base = rows + sb * 224 + z  # [R, 8, BN]
-        p = base.to(tl.pointer_type(tl.int32))
-        ql = tl.load(p + 16 * n + 8 * t + wf, mask=okf, other=0)  # byte 64n + 32t + 4w
-        qh = tl.load(p + 32 + 8 * n + wf, mask=okf, other=0)  # byte 128 + 32n + 4w
-        sc0, sc1, d = q6_kp_scales(base, n, t, wf, okf)
-    else:
-        base = rows + sb * 210 + z  # [R, 8, BN]
-        h = base.to(tl.pointer_type(tl.int16))
-        ql = word16(h + 32 * n + 16 * t + 2 * wf, okf)
-        qh = word16(h + 64 + 16 * n + 2 * wf, okf)
-        sp = (base + 192 + 8 * n + 2 * t + wf // 4).to(tl.pointer_type(tl.int8))
-        sc0 = tl.load(sp, mask=okf, other=0).to(tl.int32)
-        sc1 = tl.load(sp + 4, mask=okf, other=0).to(tl.int32)
-        d = f16_at(base + 208, okf)
+    ql, qh, sc0, sc1, d = q6_k_fields(rows + z, sb, n, t, wf, okf, PADDED)  # [R, 8, BN]
     v0 = (ql & 0x0F0F0F0F) | (((qh >> (2 * t)) & 0x03030303) << 4)  # quarter t
     v1 = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * t + 4)) & 0x03030303) << 4)  # 2 + t
     m32 = z - 522133280  # bytes 0xE0 = -32: the quants' offset, as one more dp4a

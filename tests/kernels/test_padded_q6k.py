@@ -28,7 +28,7 @@ from moestream.kernels.moe_grouped import MoeGroupedConfig, moe_grouped  # noqa:
 from moestream.kernels.moe_mmvq import MoeMmvqConfig  # noqa: E402
 from moestream.kernels.quant_gemm import quant_gemm  # noqa: E402
 from moestream.kernels.quant_gemv import quant_gemv  # noqa: E402
-from tests.kernels.test_moe_kernel import routing, stacked  # noqa: E402
+from tests.kernels.test_moe_kernel import FF, RESIDENT, SLOT, H, S, routing, stacked  # noqa: E402
 from tests.kernels.test_quant_matmul import activations, random_blocks  # noqa: E402
 
 T = GGMLQuantizationType
@@ -86,12 +86,6 @@ def test_dequantizing_kernels_read_padded_blocks_bit_exactly() -> None:
     x = activations(3, 768, torch.float32, seed=8)
     assert torch.equal(quant_gemv(x[:1], padded(w)), quant_gemv(x[:1], w))
     assert torch.equal(quant_gemm(x, padded(w)), quant_gemm(x, w))
-
-
-H, FF = 256, 256
-S = 5
-SLOT = [3, 0, 4, 1, 2, -1]
-RESIDENT = [0, 1, 2, 3, 4]
 
 
 @pytest.fixture(scope="module")
