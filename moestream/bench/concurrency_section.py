@@ -2,7 +2,10 @@
 once, each with a random prompt of `--concurrency-prompt` tokens and `--decode-tokens` greedy
 tokens, as llama-batched-bench measures it: the prefill phase (until every request has its
 first token) is timed apart from the decode phase; aggregate decode tok/s is all generated
-tokens of the decode phase over its time, per request that divided by c."""
+tokens of the decode phase over its time, per request that divided by c. The decode phase's
+clock starts after one untimed step past the prefill phase (each request then asks one token
+more), without a device sync: the step the engine queued behind it is running, so the timed
+tokens are whole steps (see `runner`'s decode)."""
 
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ class ConcurrencySection:
             return None
         rows = []
         for c in levels:
-            need = ctx.config.concurrency_prompt + ctx.config.decode_tokens + 1
+            need = ctx.config.concurrency_prompt + ctx.config.decode_tokens + 2
             if need > ctx.max_model_len:
-                ctx.skip(self.name, c, f"prompt + {ctx.config.decode_tokens + 1} tokens")
+                ctx.skip(self.name, c, f"prompt + {ctx.config.decode_tokens + 2} tokens")
                 continue
             rows.append(self._row(ctx, c))
         return {"prompt_tokens": ctx.config.concurrency_prompt, "rows": rows} if rows else None
@@ -43,7 +46,7 @@ class ConcurrencySection:
             ids = [
                 engine.add_request(ctx.random_prompt(_SECTION_ID, ctx.config.concurrency_prompt,
                                                      run * 1000 + i),
-                                   decode_params(ctx.config.temperature, k + 1, run * 1000 + i))
+                                   decode_params(ctx.config.temperature, k + 2, run * 1000 + i))
                 for i in range(c)
             ]  # fmt: skip
             pending, done = set(ids), set()
@@ -57,7 +60,10 @@ class ConcurrencySection:
                         started.add(out.request_id)
                     if out.finished:
                         done.add(out.request_id)
-            synchronize(ctx.device)
+            for out in engine.step():  # one decode step, untimed
+                total += len(out.new_token_ids)
+                if out.finished:
+                    done.add(out.request_id)
             t1 = time.perf_counter()
             n = 0  # tokens of the decode phase alone
             with ctx.power.measure() as pm:
@@ -68,8 +74,8 @@ class ConcurrencySection:
                             done.add(out.request_id)
                 synchronize(ctx.device)
                 t2 = time.perf_counter()
-            if total + n != c * (k + 1):
-                raise RuntimeError(f"concurrency {c}: {total + n} tokens, expected {c * (k + 1)}")
+            if total + n != c * (k + 2):
+                raise RuntimeError(f"concurrency {c}: {total + n} tokens, expected {c * (k + 2)}")
             decode_s = t2 - t1
             return {
                 "prefill_s": t1 - t0,

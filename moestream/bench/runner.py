@@ -3,8 +3,12 @@
 What is measured
 - prefill at N prompt tokens: one request of N random prompt tokens with max_tokens=1 through
   `LLM.generate` (scheduler, chunked prefill, runner, sampler); the time to its first token.
-- decode at depth D: one request whose prompt of D tokens is prefilled first (not timed); then
-  `decode_tokens` more tokens through `LLM.stream`, timed from the first token to the last.
+- decode at depth D: one request whose prompt of D tokens is prefilled first (not timed), one
+  token decoded (not timed), then `decode_tokens` more through `LLM.stream`, timed from the
+  arrival of that first decoded token to the last: in steady state. (Timed from the prefill's
+  token, after a device sync, the step that the engine had already queued behind the prefill
+  ran partly before the clock started: figures before 2026-11-30's ninth session were ~0.8 of a
+  step too fast, e.g. +1.9% at 32 tokens for Qwen3-30B-A3B on the H200.)
 - `warmup` runs per row are discarded, `repeats` runs are kept; each row reports median, min and
   max. On CUDA the device is synchronised at both ends of every measured region.
 - Prompt token ids are uniform over the vocabulary from
@@ -316,8 +320,8 @@ class DecodeSection:
         rows = []
         k = ctx.config.decode_tokens
         for depth in ctx.config.decode_depths:
-            if max(depth, 1) + k + 1 > ctx.max_model_len:
-                ctx.skip(self.name, depth, f"depth + {k + 1} tokens")
+            if max(depth, 1) + k + 2 > ctx.max_model_len:
+                ctx.skip(self.name, depth, f"depth + {k + 2} tokens")
                 continue
             rows.append(self._row(ctx, depth))
         return {"rows": rows} if rows else None
@@ -332,11 +336,13 @@ class DecodeSection:
         def measure(run: int) -> dict[str, Any]:
             ids = ctx.random_prompt(1, max(depth, 1), run)
             ctx.reset_peak()
-            # One token more than measured: the first comes out of the (untimed) prefill step.
-            stream = ctx.llm.stream(ids, decode_params(ctx.config.temperature, k + 1, run))
-            first = next(stream)
-            n_first = len(first.new_token_ids)
-            synchronize(ctx.device)
+            # Two tokens more than measured: the prefill step's, then one decoded untimed. The
+            # clock starts when that one arrives (no device sync: the step the engine queued
+            # behind it is running), so the k timed tokens are k whole steps.
+            stream = ctx.llm.stream(ids, decode_params(ctx.config.temperature, k + 2, run))
+            n_first = 0
+            while n_first < 2:
+                n_first += len(next(stream).new_token_ids)
             n = 0
             with ctx.power.measure() as pm:
                 t0 = time.perf_counter()
@@ -344,8 +350,8 @@ class DecodeSection:
                     n += len(out.new_token_ids)
                 synchronize(ctx.device)
                 seconds = time.perf_counter() - t0
-            if n + n_first != k + 1:
-                raise RuntimeError(f"decode run produced {n + n_first} tokens, expected {k + 1}")
+            if n + n_first != k + 2:
+                raise RuntimeError(f"decode run produced {n + n_first} tokens, expected {k + 2}")
             return {
                 "seconds": seconds,
                 "tok_s": n / seconds,

@@ -410,3 +410,62 @@ def test_decode_params_sample_with_seeds() -> None:
         with pytest.raises(RequestError, match="--temperature"):
             BenchConfig(temperature=bad)
     assert json.loads(json.dumps(asdict(BenchConfig(temperature=0.8))))["temperature"] == 0.8
+
+
+def test_decode_and_concurrency_time_whole_steps_only(monkeypatch) -> None:
+    """An engine that queues the next step before the host reads a token (run-ahead) has step 1
+    partly done when the prefill's token arrives. Timed from there, k tokens took less than k
+    steps (the old method's ~0.8-step bias on the H200); both sections start the clock one
+    decoded token later, so a fake engine whose steps take 1.0 s measures exactly 1 tok/s."""
+    import contextlib
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from moestream.bench.concurrency_section import ConcurrencySection
+    from moestream.bench.runner import BenchConfig, BenchContext, DecodeSection
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def step_done(i: int) -> float:  # step i (1 = the first decode step) ends at i - 0.7
+        return i - 0.7
+
+    class FakeLLM:
+        device = torch.device("cpu")
+        config = SimpleNamespace(vocab_size=100)
+
+        def stream(self, ids, params):
+            yield SimpleNamespace(new_token_ids=[1])  # the prefill's token, at the clock's 0
+            for i in range(1, params.max_tokens):
+                clock[0] = step_done(i)
+                yield SimpleNamespace(new_token_ids=[1])
+
+    class FakeEngine:  # one request at a time (c = 1), the same step times
+        def __init__(self):
+            self.left, self.i = 0, -1
+
+        def add_request(self, ids, params):
+            self.left, self.i, clock[0] = params.max_tokens, -1, 0.0
+            return "r"
+
+        def step(self):
+            self.i += 1
+            if self.i > 0:
+                clock[0] = step_done(self.i)
+            self.left -= 1
+            return [SimpleNamespace(new_token_ids=[1], request_id="r", finished=self.left == 0)]
+
+    llm = FakeLLM()
+    llm.engine = FakeEngine()
+    no_power = SimpleNamespace(result=lambda: None)
+    power = SimpleNamespace(measure=lambda: contextlib.nullcontext(no_power))
+    cfg = BenchConfig(decode_depths=(0,), decode_tokens=8, repeats=1, warmup=0,
+                      concurrency=(1,), concurrency_prompt=4)  # fmt: skip
+    ctx = BenchContext(llm, cfg, power, 64, 1, 1, None)
+    row = DecodeSection().run(ctx)["rows"][0]
+    assert row["samples"][0]["tokens"] == 8
+    assert row["tok_s"]["median"] == pytest.approx(1.0)  # the old method: 8 / 7.3
+    crow = ConcurrencySection().run(ctx)["rows"][0]
+    assert crow["aggregate_tok_s"]["median"] == pytest.approx(1.0)
