@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
                 order.reverse()
             for name in order:
                 engine.speculator = specs[name]
-                res = decode_run(engine, prompts, args.tokens + 1)
+                res = decode_run(engine, prompts, args.tokens + 2)
                 engine.speculator = None
                 print(f"{kind} round {r} {name}: {res['tok_s']:.1f} tok/s", file=sys.stderr)
                 if r:

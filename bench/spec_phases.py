@@ -176,7 +176,7 @@ def main() -> int:
             dropped = engine.runner.run_ahead_dropped
             arms = arm_counts(specs[m])
             clock.reset()
-            res = decode_run(engine, prompts, args.tokens + 1, args.temperature)
+            res = decode_run(engine, prompts, args.tokens + 2, args.temperature)
             engine.speculator = None  # (which turns run-ahead back on)
             steps = max(1, clock.steps)
             row = {f"{k}_us": v / steps * 1e6 for k, v in clock.seconds.items()}

@@ -94,9 +94,11 @@ def decode_run(
     engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, temperature: float = 0.0
 ) -> dict[str, Any]:
     """Each prompt alone through `engine` (greedy, or sampled at `temperature` with seed i for
-    prompt i; `max_tokens`): decode seconds (first token to last, summed), tokens after the
-    first, outputs, and what the speculator counted (`SpecCounts` of this run, None when the
-    engine does not speculate)."""
+    prompt i; `max_tokens`): decode seconds and the tokens they produced (summed), outputs, and
+    what the speculator counted (`SpecCounts` of this run, None when the engine does not
+    speculate). The clock of a prompt starts when its first decode step's tokens arrive (the
+    prefill's token and that step untimed): from then on every timed token came out of a step
+    that ran inside the clock, with run-ahead or without (`runner`'s decode section)."""
     from moestream.bench.runner import decode_params  # runner lists this section
 
     before = _counters(engine)
@@ -104,15 +106,19 @@ def decode_run(
     for i, ids in enumerate(prompts):
         rid = engine.add_request(list(ids), decode_params(temperature, max_tokens, i))
         out: list[int] = []
-        start = None
+        steps = 0  # steps that gave this request tokens
+        start, untimed = None, 0
         while engine.has_unfinished():
             for o in engine.step():
-                if o.request_id == rid:
+                if o.request_id == rid and o.new_token_ids:
                     out += o.new_token_ids
-            if start is None and out:
-                start = time.perf_counter()
+                    steps += 1
+            if start is None and steps == 2:
+                start, untimed = time.perf_counter(), len(out)
+        if start is None or len(out) == untimed:
+            raise RuntimeError(f"decode run: max_tokens {max_tokens} leaves no timed token")
         seconds += time.perf_counter() - start
-        tokens += len(out) - 1
+        tokens += len(out) - untimed
         outputs.append(out)
     after = _counters(engine)
     return {
@@ -211,7 +217,7 @@ class SpecSection:
     def _row(self, ctx: BenchContext, kind: str, spec: Any) -> dict[str, Any]:
         from moestream.bench.runner import stats
 
-        engine, n = ctx.llm.engine, ctx.config.decode_tokens + 1
+        engine, n = ctx.llm.engine, ctx.config.decode_tokens + 2
         prompts = [ctx.llm.tokenizer.encode(p) for p in prompts_of(kind, self.num_prompts)]
         samples = []
         differ = 0  # prompt runs whose speculative text differed from plain decode's

@@ -469,3 +469,39 @@ def test_decode_and_concurrency_time_whole_steps_only(monkeypatch) -> None:
     assert row["tok_s"]["median"] == pytest.approx(1.0)  # the old method: 8 / 7.3
     crow = ConcurrencySection().run(ctx)["rows"][0]
     assert crow["aggregate_tok_s"]["median"] == pytest.approx(1.0)
+
+
+def test_speculation_bench_times_from_the_first_decode_step(monkeypatch) -> None:
+    """`decode_run` (the speculative section, bench/spec_figures.py): the prefill's token and
+    the first decode step's are untimed, so a fake engine whose steps take 1.0 s each, the
+    first partly run before its token was read, gives exactly 1 tok/s; a run too short to time
+    anything is an error."""
+    import time
+    from types import SimpleNamespace
+
+    from moestream.bench.spec_section import decode_run
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    class FakeEngine:
+        speculator = None
+
+        def add_request(self, ids, params):
+            self.left, self.i, clock[0] = params.max_tokens, -1, 0.0
+            return "r"
+
+        def has_unfinished(self):
+            return self.left > 0
+
+        def step(self):
+            self.i += 1
+            if self.i > 0:
+                clock[0] = self.i - 0.7  # step 1 ends 0.3 s after the prefill's token
+            self.left -= 1
+            return [SimpleNamespace(new_token_ids=[7], request_id="r", finished=self.left == 0)]
+
+    res = decode_run(FakeEngine(), [[1, 2, 3]], 10)
+    assert res["tokens"] == 8 and res["tok_s"] == pytest.approx(1.0)
+    with pytest.raises(RuntimeError, match="no timed token"):
+        decode_run(FakeEngine(), [[1, 2, 3]], 2)
