@@ -246,33 +246,38 @@ def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.
     return y.reshape(*lead, w.shape[0])  # [..., N]
 
 
-def quant_matmul_pair(
-    x: torch.Tensor, w: QTensor, w2: QTensor, xa: Q8Act | None = None
-) -> torch.Tensor:
-    """[..., N + N2] = x @ W.T then x @ W2.T, as `quant_matmul` computes each: where both take
-    the integer-dot decode kernel (`mmvq`) and step the same runs per group, in one launch
-    (`mmvq.mmvq_pair`); elsewhere (other paths, batch-invariant mode, the CPU) as two products
-    side by side."""
-    if (
+def pairs_in_one_launch(x: torch.Tensor, w: QTensor, w2: QTensor) -> bool:
+    """Whether `quant_matmul_pair(x, w, w2)` runs: on the kernel path outside batch-invariant
+    mode, both weights take the integer-dot decode kernel (`mmvq`) for x's rows and step the
+    same runs per group."""
+    if not (
         _use_kernels(x, w, w2)
         and not batch_invariant_enabled()
         and len(w.shape) == len(w2.shape) == 2
         and x.numel() > 0
-        and (w.qtype == _Q.Q8_0) == (w2.qtype == _Q.Q8_0)  # the same runs per group
+        and (w.qtype == _Q.Q8_0) == (w2.qtype == _Q.Q8_0)
     ):
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        if _matmul_path(x2, w) == "mmvq" and _matmul_path(x2, w2) == "mmvq":
-            from moestream.kernels.mmvq import mmvq_pair, quantize_q8
+        return False
+    x2 = x.reshape(-1, x.shape[-1])
+    return _matmul_path(x2, w) == "mmvq" and _matmul_path(x2, w2) == "mmvq"
 
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            if xa is not None:
-                _check_q8(xa, *x2.shape)
-            a = xa if xa is not None else quantize_q8(x2)
-            y = mmvq_pair(a, w, w2, out_dtype=x2.dtype)
-            return y.reshape(*lead, y.shape[-1])
-    return torch.cat([quant_matmul(x, w, xa), quant_matmul(x, w2, xa)], dim=-1)
+
+def quant_matmul_pair(
+    x: torch.Tensor, w: QTensor, w2: QTensor, xa: Q8Act | None = None
+) -> torch.Tensor:
+    """[..., N + N2] = x @ W.T then x @ W2.T, each as `quant_matmul` computes it, in one launch
+    (`mmvq.mmvq_pair`); only where `pairs_in_one_launch(x, w, w2)`."""
+    from moestream.kernels.mmvq import mmvq_pair, quantize_q8
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if xa is not None:
+        _check_q8(xa, *x2.shape)
+    a = xa if xa is not None else quantize_q8(x2)
+    y = mmvq_pair(a, w, w2, out_dtype=x2.dtype)
+    return y.reshape(*lead, y.shape[-1])
 
 
 def invariant_quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.Tensor:

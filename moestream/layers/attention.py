@@ -385,6 +385,9 @@ class Attention:
         """x [T, H] -> q [T, n, D], k [T, g, D], v [T, g, D] (views of merged outputs)."""
         outs: list[torch.Tensor] = []
         for proj, sizes in self.projections:
+            if isinstance(proj, PairedLinear):
+                outs.extend(proj.outputs(x))
+                continue
             y = proj(x)  # [T, sum(sizes)]
             outs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
         t, d = x.shape[0], self.head_dim

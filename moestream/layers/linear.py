@@ -22,7 +22,13 @@ from collections.abc import Iterator, Sequence
 import torch
 from gguf import GGMLQuantizationType
 
-from moestream.kernels.ops import HAS_TRITON, kernel_weight, quant_matmul, quant_matmul_pair
+from moestream.kernels.ops import (
+    HAS_TRITON,
+    kernel_weight,
+    pairs_in_one_launch,
+    quant_matmul,
+    quant_matmul_pair,
+)
 from moestream.layers.norm import q8_of, vector_weight
 from moestream.weights.qtensor import QTensor
 
@@ -125,27 +131,30 @@ class Linear:
 
 
 class PairedLinear:
-    """Two bias-free linears over the same input whose weights do not share a type, computed
-    as one: y [..., Na + Nb] (`ops.quant_matmul_pair`: one launch where both take the
-    integer-dot decode kernel, two products elsewhere)."""
+    """Two bias-free linears over the same input whose weights do not share a type, each
+    computing the parts of `sizes_a` / `sizes_b` (output columns, in order). `outputs` gives
+    every part: from one launch where both take the integer-dot decode kernel
+    (`ops.quant_matmul_pair`), else from the two products (no copy into one tensor)."""
 
-    def __init__(self, a: Linear, b: Linear):
+    def __init__(self, a: Linear, b: Linear, sizes_a: list[int], sizes_b: list[int]):
         if a.bias is not None or b.bias is not None:
             raise ValueError("PairedLinear takes linears without biases")
+        if sum(sizes_a) != a.out_features or sum(sizes_b) != b.out_features:
+            raise ValueError("PairedLinear: the parts' sizes do not add up to the weights' rows")
         self.a, self.b = a, b
-
-    @property
-    def out_features(self) -> int:
-        return self.a.out_features + self.b.out_features
+        self.sizes_a, self.sizes_b = list(sizes_a), list(sizes_b)
 
     @property
     def weights(self) -> tuple[QTensor, QTensor]:
         return self.a.weight, self.b.weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if device_path(x):
-            return quant_matmul_pair(x, self.a.weight, self.b.weight, q8_of(x))
-        return torch.cat([self.a(x), self.b(x)], dim=-1)
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The parts' outputs [..., size] for x [..., K] (views)."""
+        wa, wb = self.weights
+        if device_path(x) and pairs_in_one_launch(x, wa, wb):
+            y = quant_matmul_pair(x, wa, wb, q8_of(x))
+            return list(y.split(self.sizes_a + self.sizes_b, dim=-1))
+        return [*self.a(x).split(self.sizes_a, dim=-1), *self.b(x).split(self.sizes_b, dim=-1)]
 
 
 # Whether `fuse_linears` pairs two linears of different types (`PairedLinear`); off only to
@@ -190,5 +199,5 @@ def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear | PairedLinear, l
         fused.append((merged, sizes))
     if PAIR_PROJECTIONS and len(fused) == 2 and all(lin.bias is None for lin, _ in fused):
         (a, sa), (b, sb) = fused
-        return [(PairedLinear(a, b), sa + sb)]  # type: ignore[arg-type]
+        return [(PairedLinear(a, b, sa, sb), sa + sb)]  # type: ignore[arg-type]
     return fused

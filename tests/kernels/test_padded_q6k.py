@@ -165,8 +165,9 @@ def test_q_k_v_of_two_types_become_one_paired_projection(monkeypatch) -> None:
     assert len(fused) == 1 and isinstance(fused[0][0], PairedLinear)
     assert fused[0][1] == [16, 8, 8]
     x = activations(1, 512, torch.bfloat16, seed=33)
-    cpu = fused[0][0](x)  # the CPU: two products side by side
-    assert torch.equal(cpu, torch.cat([q(x), k(x), v(x)], dim=-1))
+    pair = fused[0][0]
+    for got, want in zip(pair.outputs(x), (q(x), k(x), v(x)), strict=True):  # the CPU
+        assert torch.equal(got, want)
     monkeypatch.setattr(linear_layer, "device_path", lambda x: True)
     monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: True)
     calls = []
@@ -174,11 +175,14 @@ def test_q_k_v_of_two_types_become_one_paired_projection(monkeypatch) -> None:
     monkeypatch.setattr(
         mmvq_module, "mmvq_pair", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
-    y = fused[0][0](x)
+    yq, yk, yv = pair.outputs(x)
     assert calls == [1]
-    qk = fused[0][0].a.weight
-    assert torch.equal(y[:, :24], ops.quant_matmul(x, qk))
-    assert torch.equal(y[:, 24:], ops.quant_matmul(x, v.weight))
+    yqk = ops.quant_matmul(x, pair.a.weight)
+    assert torch.equal(yq, yqk[:, :16]) and torch.equal(yk, yqk[:, 16:])
+    assert torch.equal(yv, ops.quant_matmul(x, v.weight))
+    x3 = activations(3, 512, torch.bfloat16, seed=34)  # 3 rows: mmq for both, no pair launch
+    assert not ops.pairs_in_one_launch(x3, *pair.weights)
+    assert [t.shape[-1] for t in pair.outputs(x3)] == [16, 8, 8] and calls == [1]
     # a bias keeps them apart
     vb = Linear(v.weight, bias=QTensor.from_float(torch.ones(8)))
     assert not any(isinstance(p, PairedLinear) for p, _ in fuse_linears([q, k, vb]))
