@@ -148,6 +148,16 @@ def _q8_rows(xa: Q8Act | None, lo: int, hi: int) -> Q8Act | None:
     return type(xa)(xa.q[lo:hi], xa.d[lo:hi], xa.s[lo:hi])
 
 
+def _kernel_rows(x: torch.Tensor, xa: Q8Act | None) -> torch.Tensor:
+    """x [..., K] as [M, K] with unit stride along K, checked against its q8 rounding `xa`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if xa is not None:
+        _check_q8(xa, *x2.shape)
+    return x2
+
+
 def _check_q8(xa: Q8Act, m: int, k: int) -> None:
     if xa.rows != m or xa.k != k:
         raise ValueError(f"xa holds [{xa.rows}, {xa.k}] quantized activations, x is [{m}, {k}]")
@@ -211,11 +221,7 @@ def quant_matmul(x: torch.Tensor, w: QTensor, xa: Q8Act | None = None) -> torch.
             return y.reshape(*lead, w.shape[0])
         return quant_matmul_ref(x, w)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if xa is not None:
-        _check_q8(xa, *x2.shape)
+    x2 = _kernel_rows(x, xa)
     path = "invariant" if invariant else _matmul_path(x2, w)
     if path == "invariant":
         y = invariant_quant_matmul(x2, w, xa)
@@ -270,11 +276,7 @@ def quant_matmul_pair(
     from moestream.kernels.mmvq import mmvq_pair, quantize_q8
 
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    if xa is not None:
-        _check_q8(xa, *x2.shape)
+    x2 = _kernel_rows(x, xa)
     a = xa if xa is not None else quantize_q8(x2)
     y = mmvq_pair(a, w, w2, out_dtype=x2.dtype)
     return y.reshape(*lead, y.shape[-1])
