@@ -367,6 +367,21 @@ def print_row(r: Row, copy_gbs: float) -> None:
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def time_configs(configs, run) -> list:
+    """(us, config, Row) of `run(config)` for each config; one the compiler rejects is
+    reported and skipped."""
+    results = []
+    for cfg in configs:
+        try:
+            r = run(cfg)
+        except Exception as exc:  # a config the compiler rejects: report, go on
+            print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        results.append((r.us, cfg, r))
+        torch.cuda.empty_cache()
+    return results
+
+
 def print_best(title: str, results: list, default, copy_gbs: float) -> None:
     """A sweep's (us, config, Row) results: the 5 fastest and the default, with GB/s."""
     results.sort(key=lambda item: item[0])
@@ -386,21 +401,16 @@ def sweep(gen, copy_gbs: float) -> None:
     shapes += [(4096, 12288, T.Q6_K), (151936, 2048, T.Q6_K)]
     for n, k, qtype in shapes:
         groups = k // 256
-        results = []
         default = mmvq_config(n, k, sms)
-        grid = itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8), (4, 8))
-        for block_n, split_k, g, warps in grid:
-            if groups % split_k or block_n * g > 256:
-                continue
-            cfg = MmvqConfig(block_n, split_k, g, warps)
-            try:
-                r = bench_matmul("mmvq", 1, n, k, qtype, torch.bfloat16, gen=gen, config=cfg)
-            except Exception as exc:  # a config the compiler rejects: report, go on
-                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            results.append((r.us, cfg, r))
+        shapes_grid = itertools.product((4, 8, 16, 32), (1, 2), (2, 4, 8), (4, 8))
+        grid = [MmvqConfig(b, s, g, w) for b, s, g, w in shapes_grid
+                if groups % s == 0 and b * g <= 256]  # fmt: skip
+        results = time_configs(
+            grid,
+            lambda cfg, n=n, k=k, q=qtype: bench_matmul("mmvq", 1, n, k, q, torch.bfloat16,
+                                                        gen=gen, config=cfg),
+        )  # fmt: skip
         print_best(f"MMVQ M=1 N={n} K={k} {qtype.name}", results, default, copy_gbs)
-        torch.cuda.empty_cache()
 
 
 def sweep_router(gen, copy_gbs: float) -> None:
@@ -803,37 +813,27 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
 
     for n, k in ((151936, 2048), (512, 2048), (4096, 12288)):
         default = mmvq_config(n, k, sms, variant="once", padded=True)
+        groups = k // 256
         grid = [MmvqConfig(b, s, g, w, "once") for b in (4, 8, 16) for s in (1, 2)
                 for g in (4, 8) for w in (1, 2, 4)]  # fmt: skip
-        results = []
-        for cfg in dict.fromkeys([default, *grid]):
-            groups = k // 256
-            if groups % cfg.split_k or cfg.groups > groups // cfg.split_k:
-                continue
-            try:
-                r = bench_matmul("mmvq", 1, n, k, T.Q6_K, torch.bfloat16, gen=gen, config=cfg,
-                                 padded=True)  # fmt: skip
-            except Exception as exc:  # a config the compiler rejects: report, go on
-                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            results.append((r.us, cfg, r))
+        fits = [c for c in dict.fromkeys([default, *grid])
+                if groups % c.split_k == 0 and c.groups <= groups // c.split_k]  # fmt: skip
+        results = time_configs(
+            fits,
+            lambda cfg, n=n, k=k: bench_matmul("mmvq", 1, n, k, T.Q6_K, torch.bfloat16,
+                                               gen=gen, config=cfg, padded=True),
+        )  # fmt: skip
         print_best(f"MMVQ once M=1 N={n} K={k} Q6_K padded", results, default, copy_gbs)
-        torch.cuda.empty_cache()
     default = moe_mmvq.DEFAULT_CONFIG
     grid = [replace(default, down_block_n=n, down_groups=g, down_warps=w, down_experts=e)
             for n in (4, 8) for g in (1, 4) for w in (2, 4, 8) for e in (4, 8)]  # fmt: skip
     grid += [replace(default, down_rows=False, down_experts=e) for e in (2, 8)]
     for t in (1, 8):
-        results = []
-        for cfg in dict.fromkeys([default, *grid]):
-            try:
-                r = bench_moe(t, (T.Q4_K, T.Q6_K), torch.bfloat16, "mmvq", gen=gen,
-                              mmvq_cfg=cfg, padded=True)  # fmt: skip
-            except Exception as exc:
-                print(f"  {cfg}: {type(exc).__name__}: {exc}", flush=True)
-                continue
-            results.append((r.us, cfg, r))
-            torch.cuda.empty_cache()
+        results = time_configs(
+            dict.fromkeys([default, *grid]),
+            lambda cfg, t=t: bench_moe(t, (T.Q4_K, T.Q6_K), torch.bfloat16, "mmvq", gen=gen,
+                                       mmvq_cfg=cfg, padded=True),
+        )  # fmt: skip
         print_best(f"MoE layer T={t} Q4_K/Q6_K padded, down variants", results, default, copy_gbs)
 
 

@@ -8,9 +8,10 @@ What is measured
   arrival of that first decoded token to the last: in steady state. (Timed from the prefill's
   token, after a device sync, the step that the engine had already queued behind the prefill
   ran partly before the clock started: figures before 2026-11-30's ninth session were ~0.8 of a
-  step too fast, e.g. +1.9% at 32 tokens for Qwen3-30B-A3B on the H200.)
+  step too fast, ~2.5% at 32 tokens for Qwen3-30B-A3B on the H200; bench/RESULTS.md.)
 - `warmup` runs per row are discarded, `repeats` runs are kept; each row reports median, min and
-  max. On CUDA the device is synchronised at both ends of every measured region.
+  max. On CUDA the device is synchronised at the end of every measured region, and at its start
+  where nothing runs ahead into it (prefill; decode starts on a token's arrival, above).
 - Prompt token ids are uniform over the vocabulary from
   `numpy.random.default_rng((seed, section, length, run))`: a fresh prompt for every run, so the
   prefix cache never serves a measured prompt.

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moestream.kernels._triton_dequant import kernel_qtype
+from moestream.kernels._triton_dequant import Q6_K, Q6_KP, kernel_qtype
 from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
 from moestream.kernels.mmvq import (
     MMVQ_QTYPES,
@@ -372,7 +372,7 @@ def _down_mmvq_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nr = tl.minimum(n, H - 1).to(tl.int64)
     if ROWS:
-        tl.static_assert((QD == 14) or (QD == 270), "the rows tile is for Q6_K")
+        tl.static_assert((QD == Q6_K) or (QD == Q6_KP), "the rows tile is for Q6_K")  # noqa: SIM109
         nc = nr[None, None, :]  # [1, 1, BN]
         r = tl.arange(0, SUB * G)[:, None, None]  # (group, run) [R, 1, 1]
     else:
@@ -398,7 +398,8 @@ def _down_mmvq_kernel(
                 rows = d_base + nc * stride_dn
                 xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
                 if ROWS:
-                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, QD == 270, ASM)
+                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, QD == Q6_KP,
+                                          ASM)  # fmt: skip
                 else:
                     part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)

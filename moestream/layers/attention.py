@@ -369,12 +369,16 @@ class Attention:
         else:
             self.projections = [(p, [p.out_features]) for p in parts]
 
-    def weights(self) -> list[QTensor]:
-        """The projections' weights (q, k, v as merged or paired, then o)."""
+    def qkv_weights(self) -> list[QTensor]:
+        """The q, k and v projections' weights (as merged or paired)."""
         out: list[QTensor] = []
         for p, _ in self.projections:
             out.extend(p.weights if isinstance(p, PairedLinear) else (p.weight,))
-        return [*out, self.o_proj.weight]
+        return out
+
+    def weights(self) -> list[QTensor]:
+        """Every projection's weight: `qkv_weights`, then o."""
+        return [*self.qkv_weights(), self.o_proj.weight]
 
     @property
     def capturable(self) -> bool:

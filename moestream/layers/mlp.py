@@ -39,9 +39,9 @@ def gated_mlp(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> tor
 def stack_rows(a: QTensor, b: QTensor) -> tuple[QTensor, QTensor, QTensor]:
     """(a and b's rows stacked [Na + Nb, K], a view of its first Na rows, one of the rest): the
     views replace a and b, so the stack takes no memory beyond theirs."""
-    data = torch.cat([a.data, b.data])  # quantized rows are independent: stack the bytes
     if a.padded != b.padded:
         raise ValueError("stack_rows: one weight padded, the other not")
+    data = torch.cat([a.data, b.data])  # quantized rows are independent: stack the bytes
     both = QTensor(data, a.qtype, (a.shape[0] + b.shape[0], a.shape[1]), padded=a.padded)
     n = a.shape[0]
     return (

@@ -52,7 +52,7 @@ class DecoderLayer:
     def attn_takes_q8(self, x: torch.Tensor) -> bool:
         """Whether a Q/K/V projection of attn_norm's output (shaped as x [T, H]) rounds it to q8
         blocks: attn_norm then does it (`RMSNorm(q8=True)`) and the projections share it."""
-        return any(ops.takes_q8(x, w) for w in self.attn.weights()[:-1])
+        return any(ops.takes_q8(x, w) for w in self.attn.qkv_weights())
 
     def ffn_takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the FFN rounds ffn_norm's output (shaped as x [T, H]) to q8 blocks: the MoE's
