@@ -102,6 +102,7 @@
 #   bench/scripts/gpu_figures.sh s9c     launch shapes for padded Q6_K (dense once GEMV, MoE down)
 #   bench/scripts/gpu_figures.sh s9d     8B and 30B figures; prefix reuse padded, then native
 #   bench/scripts/gpu_figures.sh s9e     paired q/k + v projections: GPU tests, 30B decode A/B
+#   bench/scripts/gpu_figures.sh s10a    the decode attention's q8 output: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -733,6 +734,24 @@ PY
         > /tmp/r/pair.log 2>&1
       echo "[pair $arm rc=$?]"; grep "^| 0 " /tmp/r/pair.log
       cp "/tmp/r/pair_$arm/result.json" "$out/pair_$arm.json" 2>/dev/null
+    done
+    ;;
+  s10a)  # GPU tests of the decode attention's q8 output; the 30B's batch-1 decode without and
+    # with it, interleaved (off, on, on, off)
+    timeout 120 python3 -m pytest tests/kernels/test_paged_attention.py -q -p no:cacheprovider \
+      2>&1 | tail -3
+    timeout 150 python3 -m pytest tests/layers/test_q8_fusion.py tests/runner/test_cuda_graph.py \
+      -m gpu -q -p no:cacheprovider 2>&1 | tail -3
+    synth qwen3-30b-a3b q30
+    off='import moestream.layers.attention as a; a.DECODE_OUT_Q8 = False; '
+    for arm in off1 on1 on2 off2; do
+      pre=""; [[ $arm == off* ]] && pre=$off
+      timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
+        --concurrency-prompt 128 --out "/tmp/r/oq8_$arm" > /tmp/r/oq8.log 2>&1
+      echo "[oq8 $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/oq8.log
+      cp "/tmp/r/oq8_$arm/result.json" "$out/oq8_$arm.json" 2>/dev/null
     done
     ;;
   q8) synth qwen3-8b q8; q8 ;;

@@ -101,6 +101,30 @@ class Q8Act(NamedTuple):
         return self.q.shape[1] * 4
 
 
+def empty_q8(m: int, k: int, device: torch.device | str) -> Q8Act:
+    """An uninitialised Q8Act for m rows of k values (k a multiple of 32), for a kernel to fill."""
+    nb = k // QBLOCK
+    return Q8Act(
+        torch.empty((m, k // 4), dtype=torch.int32, device=device),
+        torch.empty((m, nb), dtype=torch.float32, device=device),
+        torch.empty((m, nb), dtype=torch.float32, device=device),
+    )
+
+
+def check_q8_out(a: Q8Act, m: int, k: int, device: torch.device, who: str) -> None:
+    """ValueError unless `a` has the shapes, dtypes, unit last strides and device of
+    `empty_q8(m, k, device)` (its d and s rows with one stride, as the kernels take them)."""
+    shapes = ((m, k // 4), (m, k // QBLOCK), (m, k // QBLOCK))
+    dtypes = (torch.int32, torch.float32, torch.float32)
+    if (
+        k % QBLOCK
+        or any(t.shape != sh or t.dtype != dt for t, sh, dt in zip(a, shapes, dtypes))
+        or any(t.device != device or t.stride(1) != 1 for t in a)
+        or a.d.stride(0) != a.s.stride(0)
+    ):
+        raise ValueError(f"{who}: q8 output must be empty_q8({m}, {k}) on {device}")
+
+
 # ---- references (torch) ----------------------------------------------------------------------
 
 
@@ -441,9 +465,7 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
         raise ValueError(f"x must be [M, K] with K % 32 == 0 and unit stride, got {x.shape}")
     m, k = x.shape
     nb = k // QBLOCK
-    q = torch.empty((m, k // 4), dtype=torch.int32, device=x.device)
-    d = torch.empty((m, nb), dtype=torch.float32, device=x.device)
-    s = torch.empty((m, nb), dtype=torch.float32, device=x.device)
+    q, d, s = empty_q8(m, k, x.device)
     if m:
         _quantize_q8_kernel[(m, triton.cdiv(nb, blocks))](
             x,
@@ -679,6 +701,8 @@ __all__ = [
     "VARIANTS",
     "Q8Act",
     "dequantize_q8",
+    "empty_q8",
+    "check_q8_out",
     "mmvq",
     "mmvq_pair",
     "mmvq_config",

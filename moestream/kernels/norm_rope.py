@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.mmvq import QBLOCK, Q8Act, store_q8_blocks
+from moestream.kernels.mmvq import QBLOCK, Q8Act, empty_q8, store_q8_blocks
 from moestream.kernels.pdl import pdl_args, pdl_start
 
 
@@ -109,11 +109,7 @@ def add_rms_norm_q8(
     if h % QBLOCK:
         raise ValueError(f"q8 blocks need H to be a multiple of {QBLOCK}, got {h}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    xa = Q8Act(
-        torch.empty((t, h // 4), dtype=torch.int32, device=x.device),
-        torch.empty((t, h // QBLOCK), dtype=torch.float32, device=x.device),
-        torch.empty((t, h // QBLOCK), dtype=torch.float32, device=x.device),
-    )
+    xa = empty_q8(t, h, x.device)
     _launch_norm(x, residual, weight, eps, out, xa)
     return out, xa
 

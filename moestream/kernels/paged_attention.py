@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.arrival import check_counters, last_to_arrive
+from moestream.kernels.mmvq import QBLOCK, Q8Act, check_q8_out, store_q8_blocks
 from moestream.kernels.pdl import pdl_args, pdl_start
 
 BLOCK_N = 64  # context tokens per tile (one tl.dot per tile)
@@ -118,12 +119,14 @@ def split_bounds(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def merge_splits(
-    part_ptr, lse_ptr, out_ptr, b, head0, n_used, num_splits, stride_ob, stride_oh,
+    part_ptr, lse_ptr, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, head0, n_used, num_splits,
+    stride_ob, stride_oh, stride_q8, stride_q8d,
     N_HEADS: tl.constexpr, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
     D_PAD: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    Q8: tl.constexpr,
 ):  # fmt: skip
     """out[b, head0 : head0 + H] = the log-sum-exp weighted mean of the first n_used splits'
-    partials (the rest are empty), CHUNK splits at a time in split order."""
+    partials (the rest are empty), CHUNK splits at a time in split order (`store_heads`)."""
     r = tl.arange(0, H_PAD)
     r_ok = r < H
     d = tl.arange(0, D_PAD)
@@ -150,8 +153,34 @@ def merge_splits(
         for s0 in tl.range(0, n_used, CHUNK, num_stages=3):
             acc = merge_chunk(part_ptr, lse_ptr, acc, base, s0 + c, n_used, m, r_ok, d, d_ok, D)
     o = acc / tl.where(total > 0, total, 1.0)[:, None]
+    store_heads(
+        o, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, head0, r, r_ok, d, d_ok, stride_ob, stride_oh,
+        stride_q8, stride_q8d, H, H_PAD, D, Q8,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_heads(
+    o, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, head0, r, r_ok, d, d_ok, stride_ob, stride_oh,
+    stride_q8, stride_q8d, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+    Q8: tl.constexpr,
+):  # fmt: skip
+    """Rows o [H_PAD, D_PAD] float32 (those with r_ok) to out[b, head0 + r] in out's dtype. With
+    Q8 also the q8 rounding of the stored values, as `mmvq.quantize_q8` writes row b of
+    out.view(B, n * D) (D a power of 2 >= 32): the output projection's integer-dot GEMV then
+    needs no quantization launch of its own."""
+    o = o.to(out_ptr.dtype.element_ty)
     dst = out_ptr + b.to(tl.int64) * stride_ob + (head0 + r)[:, None] * stride_oh + d[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(dst, o, mask=r_ok[:, None] & d_ok[None, :])
+    if Q8:
+        nbh: tl.constexpr = D // 32  # q8 blocks per head
+        x = tl.reshape(o.to(tl.float32), [H_PAD * nbh, 8, 4])  # block, word, byte
+        blk = (head0 + r)[:, None] * nbh + tl.arange(0, nbh)[None, :]
+        store_q8_blocks(
+            x, tl.reshape(blk, [H_PAD * nbh]), (head0 + H) * nbh,
+            q8_ptr + b.to(tl.int64) * stride_q8, q8d_ptr + b.to(tl.int64) * stride_q8d,
+            q8s_ptr + b.to(tl.int64) * stride_q8d,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -177,12 +206,13 @@ def merge_chunk(part_ptr, lse_ptr, acc, base, sc, n_used, m, r_ok, d, d_ok, D: t
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, counter_ptr,
-    scale_log2e, num_splits, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
-    stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
+    q8_ptr, q8d_ptr, q8s_ptr, scale_log2e, num_splits, stride_qb, stride_qh, stride_kb,
+    stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, stride_ob, stride_oh,
+    stride_q8, stride_q8d,
     N_HEADS: tl.constexpr, REP: tl.constexpr, R_PAD: tl.constexpr, REP_PAD: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     MERGE: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, DOT_F32: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, Q8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(PDL)
     # MERGE: 0 one split, store the output; 1 store partials (merge kernel); 2 store partials,
@@ -229,8 +259,10 @@ def _decode_split_kernel(
             )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # zeros for an empty split
     if MERGE == 0:
-        dst = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        store_heads(
+            o, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, kvh * REP, r, r_ok, d, d_ok, stride_ob,
+            stride_oh, stride_q8, stride_q8d, REP, R_PAD, D, Q8,
+        )  # fmt: skip
     else:
         row = (b.to(tl.int64) * N_HEADS + head) * num_splits + split  # [R_PAD]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
@@ -241,25 +273,28 @@ def _decode_split_kernel(
             # the last split of this (b, kvh) to arrive merges them all
             if last_to_arrive(counter_ptr + b * tl.num_programs(1) + kvh, num_splits):
                 merge_splits(
-                    part_ptr, lse_ptr, out_ptr, b, kvh * REP, n_used, num_splits, stride_ob,
-                    stride_oh, N_HEADS, REP, REP_PAD, D, D_PAD, S_PAD, CHUNK, WHILE_LOOP,
+                    part_ptr, lse_ptr, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, kvh * REP, n_used,
+                    num_splits, stride_ob, stride_oh, stride_q8, stride_q8d, N_HEADS, REP,
+                    REP_PAD, D, D_PAD, S_PAD, CHUNK, WHILE_LOOP, Q8,
                 )  # fmt: skip
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    part_ptr, lse_ptr, seq_lens_ptr, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, num_splits, stride_ob,
+    stride_oh, stride_q8, stride_q8d,
     N_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, S_PAD: tl.constexpr, CHUNK: tl.constexpr, WHILE_LOOP: tl.constexpr,
-    PDL: tl.constexpr,
+    Q8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(PDL)
     b = tl.program_id(0)
     seq_len = tl.load(seq_lens_ptr + b)
     _, n_used = split_bounds(seq_len, num_splits, BLOCK_N)
     merge_splits(
-        part_ptr, lse_ptr, out_ptr, b, tl.program_id(1) * HEADS, n_used, num_splits, stride_ob,
-        stride_oh, N_HEADS, HEADS, HEADS, D, D_PAD, S_PAD, CHUNK, WHILE_LOOP,
+        part_ptr, lse_ptr, out_ptr, q8_ptr, q8d_ptr, q8s_ptr, b, tl.program_id(1) * HEADS,
+        n_used, num_splits, stride_ob, stride_oh, stride_q8, stride_q8d, N_HEADS, HEADS, HEADS,
+        D, D_PAD, S_PAD, CHUNK, WHILE_LOOP, Q8,
     )  # fmt: skip
 
 
@@ -305,6 +340,7 @@ def paged_decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int | None = None,
+    q8: Q8Act | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query per sequence -> [B, n, D] in q's dtype.
 
@@ -319,6 +355,9 @@ def paged_decode_attention(
     leaves the tensor zero again (one buffer can serve every layer and graph; launches sharing
     it must not run concurrently). block_n (tokens per tile), num_warps and num_stages are
     launch choices: they change the speed and, through the tiling, the last bits.
+
+    q8: an empty Q8Act of B rows and n * D values (`mmvq.empty_q8`) that the kernel fills with
+    `mmvq.quantize_q8(out.view(B, n * D))`, bit for bit, as it stores out (D a power of 2 >= 32).
     """
     check_decode_args(q, k_cache, v_cache, block_tables, seq_lens)
     if num_stages is None:
@@ -338,6 +377,10 @@ def paged_decode_attention(
         raise ValueError(f"num_splits {num_splits} < 1 or block_n {block_n} not a power of 2")
     if counters is not None:
         check_counters(counters, b * g, q.device)
+    if q8 is not None:
+        check_q8_out(q8, b, n * d, q.device, f"attention output of head dim {d}")
+        if d < QBLOCK or d & (d - 1):
+            raise ValueError(f"q8 output needs a head dim that is a power of 2 >= 32, got {d}")
     if b == 0:
         return out
     d_pad = triton.next_power_of_2(d)
@@ -351,21 +394,25 @@ def paged_decode_attention(
     else:
         part = lse = out  # unused
     rep_pad = triton.next_power_of_2(rep)
+    q8q, q8d, q8s = (out, out, out) if q8 is None else q8  # unused without q8
+    q8_args = (q8q, q8d, q8s)
+    q8_strides = (q8q.stride(0), q8d.stride(0))
     _decode_split_kernel[(b, g, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, lse,
-        out if counters is None else counters,
+        out if counters is None else counters, *q8_args,
         scale * _LOG2E, num_splits, q.stride(0), q.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), *q8_strides,
         N_HEADS=n, REP=rep, R_PAD=max(16, rep_pad), REP_PAD=rep_pad, D=d, D_PAD=d_pad,
         KV_BLOCK=kv_block, BLOCK_N=block_n, MERGE=merge, S_PAD=s_pad,
         CHUNK=min(s_pad, max(1, 16 * num_warps // rep_pad)), DOT_F32=dot_f32, WHILE_LOOP=interpret,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
+        Q8=q8 is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device),
     )  # fmt: skip
     if merge == 1:
         _merge_splits_kernel[(b, n)](
-            part, lse, seq_lens, out, num_splits, out.stride(0), out.stride(1),
-            N_HEADS=n, HEADS=1, D=d, D_PAD=d_pad, BLOCK_N=block_n, S_PAD=s_pad,
-            CHUNK=min(s_pad, 32), WHILE_LOOP=interpret, num_warps=4, **pdl_args(q.device),
+            part, lse, seq_lens, out, *q8_args, num_splits, out.stride(0), out.stride(1),
+            *q8_strides, N_HEADS=n, HEADS=1, D=d, D_PAD=d_pad, BLOCK_N=block_n, S_PAD=s_pad,
+            CHUNK=min(s_pad, 32), WHILE_LOOP=interpret, Q8=q8 is not None, num_warps=4,
+            **pdl_args(q.device),
         )  # fmt: skip
     return out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.mmvq import QBLOCK, Q8Act, store_q8_blocks
+from moestream.kernels.mmvq import QBLOCK, Q8Act, empty_q8, store_q8_blocks
 from moestream.kernels.pdl import pdl_args, pdl_start
 
 
@@ -63,11 +63,7 @@ def silu_mul(
     h = torch.empty((m, f), dtype=gu.dtype, device=gu.device)
     xa = None
     if q8:
-        xa = Q8Act(
-            torch.empty((m, f // 4), dtype=torch.int32, device=gu.device),
-            torch.empty((m, nb), dtype=torch.float32, device=gu.device),
-            torch.empty((m, nb), dtype=torch.float32, device=gu.device),
-        )
+        xa = empty_q8(m, f, gu.device)
     if m:
         q, d, s = xa if xa is not None else (h, h, h)  # unused pointers without q8
         _silu_mul_kernel[(m, triton.cdiv(nb, blocks))](

@@ -12,20 +12,27 @@ Letters: T new tokens, B sequences, L context length, H hidden, n/g query/KV hea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moestream.config import ModelConfig
-from moestream.kernels.ops import batch_invariant_enabled
+from moestream.kernels.ops import batch_invariant_enabled, takes_q8
 from moestream.layers.linear import Linear, PairedLinear, fuse_linears, needs_host_table
-from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm
+from moestream.layers.norm import RMSNorm, on_kernel_path, rms_norm, with_q8
 from moestream.layers.rope import RotaryEmbedding, apply_rope
 from moestream.weights.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from moestream.kernels.mmvq import Q8Act
 
 # Contexts up to which the decode kernel keeps its least split count whatever the batch. H200,
 # 30B-A3B heads (bench/attention_gpu.py, 2026-11-30), batch 1: 16 splits 7.7 us at 512 tokens
 # against 8.4 with the batch rule's 66, but 13.9 against 11.2 at 4k and 65.7 against 28.7 at 32k.
 SHORT_DECODE_CONTEXT = 2048
+# Whether the decode kernel also writes the q8 rounding of its output for the output projection
+# (`Attention._o_proj_q8`); off only to measure what it saves.
+DECODE_OUT_Q8 = True
 
 
 @dataclass
@@ -385,6 +392,18 @@ class Attention:
         """No weight of this layer needs a host copy to dequantize (`needs_host_table`)."""
         return not any(needs_host_table(w) for w in self.weights())
 
+    def _o_proj_q8(self, o: torch.Tensor) -> Q8Act | None:
+        """An empty Q8Act for the decode kernel to fill with the q8 rounding of its output o
+        [T, n * D], where the output projection's integer-dot GEMV would round o itself
+        (`kernels.ops.takes_q8`): one launch less a layer. None where it would not, or where
+        the head dim cannot hold whole q8 blocks."""
+        from moestream.kernels.mmvq import QBLOCK, empty_q8
+
+        d = self.head_dim
+        if not DECODE_OUT_Q8 or d < QBLOCK or d & (d - 1) or not takes_q8(o, self.o_proj.weight):
+            return None
+        return empty_q8(o.shape[0], o.shape[1], o.device)
+
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, n, D], k [T, g, D], v [T, g, D] (views of merged outputs)."""
         outs: list[torch.Tensor] = []
@@ -437,10 +456,13 @@ class Attention:
             splits = pa.NUM_SPLITS  # short contexts: more splits only cost launch width
             if attn.max_seq_len is None or attn.max_seq_len > SHORT_DECODE_CONTEXT:
                 splits = pa.decode_num_splits(t, k_cache.shape[2], pa.device_num_sms(q.device))
-            o = pa.paged_decode_attention(
+            o2 = q.new_empty(t, self.n_heads * self.head_dim)
+            xa = self._o_proj_q8(o2)
+            pa.paged_decode_attention(
                 q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale,
-                num_splits=splits,
-            )  # [T, n, D]  # fmt: skip
+                out=o2.view(t, self.n_heads, self.head_dim), num_splits=splits, q8=xa,
+            )  # fmt: skip
+            return self.o_proj(o2 if xa is None else with_q8(o2, xa))
         elif kernels and (attn.query_len_bound is not None or attn.is_decode):
             from moestream.kernels.prefill_attention import paged_prefill_attention
 

@@ -17,6 +17,7 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from moestream.kernels.mmvq import empty_q8, quantize_q8  # noqa: E402
 from moestream.kernels.paged_attention import (  # noqa: E402
     NUM_SPLITS,
     decode_num_splits,
@@ -169,6 +170,30 @@ def test_split_count_rule():
         assert s == NUM_SPLITS or b * 4 * (s - 1) < 2 * 132  # the least that fills
 
 
+@pytest.mark.parametrize(
+    "dtype, num_splits, fused, d", [(torch.bfloat16, 3, False, 64), (torch.float32, 1, False, 32),
+                                    (torch.bfloat16, 5, True, 32), (torch.float16, 16, False, 128)],
+)  # fmt: skip
+def test_q8_output_is_quantize_q8_of_the_output(dtype, num_splits, fused, d):
+    """With `q8` the kernel also writes the output rows' q8 rounding: bit for bit
+    `quantize_q8(out.view(B, n * D))`, whichever kernel stores the output (the split kernel at
+    one split, the merge kernel, the last split to arrive), with the output itself unchanged;
+    a padding row's blocks are zeros. The poisoned buffers show every block is written."""
+    q, k, v, tables, lens = case(8, 2, d, 16, [7, 150, 0, 40], dtype, seed=d + num_splits)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE) if fused else None
+    args = (q, k, v, tables, lens, d**-0.5)
+    plain = paged_decode_attention(*args, num_splits=num_splits, counters=counters)
+    xa = empty_q8(4, 8 * d, DEVICE)
+    for t in xa:
+        t.fill_(-7 if t.dtype == torch.int32 else float("nan"))
+    out = paged_decode_attention(*args, num_splits=num_splits, counters=counters, q8=xa)
+    assert torch.equal(out, plain)
+    ref = quantize_q8(out.view(4, 8 * d))
+    for got, want in zip(xa, ref):
+        assert torch.equal(got, want)
+    assert not xa.q[2].any() and not xa.d[2].any()
+
+
 def test_rejects_bad_arguments():
     q, k, v, tables, lens = case(8, 2, 32, 8, [5, 6], torch.float32, seed=1)
     with pytest.raises(ValueError, match="int32"):
@@ -181,3 +206,8 @@ def test_rejects_bad_arguments():
         paged_decode_attention(q, k, v, tables, lens, 1.0, counters=torch.zeros(3))
     with pytest.raises(ValueError, match="block_n"):
         paged_decode_attention(q, k, v, tables, lens, 1.0, block_n=48)
+    with pytest.raises(ValueError, match="q8 output"):
+        paged_decode_attention(q, k, v, tables, lens, 1.0, q8=empty_q8(2, 8 * 16, DEVICE))
+    q16, k16, v16, tables, lens = case(8, 2, 16, 8, [5, 6], torch.float32, seed=1)
+    with pytest.raises(ValueError, match="head dim"):
+        paged_decode_attention(q16, k16, v16, tables, lens, 1.0, q8=empty_q8(2, 8 * 16, DEVICE))

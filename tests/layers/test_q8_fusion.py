@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from moestream.kernels import mmvq, ops  # noqa: E402
-from moestream.layers import norm  # noqa: E402
+from moestream.layers import attention, norm  # noqa: E402
 
 interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="forces the kernel path on CPU tensors (the interpreter)"
@@ -126,12 +126,47 @@ def test_model_on_the_kernel_path_is_unchanged_by_the_norms_q8(monkeypatch, quan
     assert len(fused_calls) == 2 * steps * layers  # o_proj, down
 
 
+@interpreter_only
+def test_decode_attention_writes_o_projs_q8(monkeypatch, quantize_q8_calls):
+    """The tiny dense Qwen3 with attention on the kernel path too (interpreter): in decode steps
+    the attention kernel writes the q8 rounding of its output for o_proj, whose integer-dot
+    GEMV then quantizes nothing; logits bit for bit those of the run where o_proj quantizes
+    for itself, one `quantize_q8` launch fewer per layer and decode step."""
+    from moestream.cli import DEMO_DRAFT
+    from moestream.layers import linear as linear_layer
+    from moestream.models.registry import build_model
+    from moestream.weights.loader import open_model
+
+    model = build_model(open_model(DEMO_DRAFT), "cpu", torch.bfloat16)
+    fast = {id(layer.attn.o_proj.weight) for layer in model.layers}  # o_proj on the kernels
+    for mod in (norm, attention):
+        monkeypatch.setattr(mod, "on_kernel_path", lambda x: True)
+    monkeypatch.setattr(linear_layer, "device_path", lambda x: True)
+    monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: all(id(w) in fast for w in ws))
+    prompts = [[11, 502, 77, 1234], [9, 4000, 310]]
+
+    def run() -> tuple[list, list, int]:
+        quantize_q8_calls.clear()
+        tokens, logits = greedy(model, model.make_kv_cache(2, 16), prompts, steps=2)
+        return tokens, logits, len(quantize_q8_calls)
+
+    fused = run()
+    monkeypatch.setattr(attention, "DECODE_OUT_Q8", False)
+    plain = run()
+    assert fused[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], plain[1], strict=True))
+    layers = len(model.layers)
+    assert plain[2] == 3 * layers  # o_proj in the prefill and in each of the 2 decode steps
+    assert fused[2] == 1 * layers  # in the prefill only
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_greedy_is_unchanged_by_the_norms_q8(monkeypatch, quantize_q8_calls):
     """The tiny Qwen3-MoE (Q4_K_M) on the GPU, every kernel compiled: prefill and decode steps
-    at 1 and 3 sequences give the same logits, bit for bit, with the norms' q8 rounding and
-    without it (every consumer quantizing for itself), with fewer `quantize_q8` calls."""
+    at 1 and 3 sequences give the same logits, bit for bit, with the norms' and the decode
+    attention's q8 rounding and without them (every consumer quantizing for itself), with fewer
+    `quantize_q8` calls."""
     from moestream.cli import DEMO_MODEL
     from moestream.models.base import DecoderLayer
     from moestream.models.registry import build_model
@@ -149,6 +184,7 @@ def test_gpu_greedy_is_unchanged_by_the_norms_q8(monkeypatch, quantize_q8_calls)
     fused = [run(p) for p in cases]
     monkeypatch.setattr(DecoderLayer, "attn_takes_q8", lambda self, x: False)
     monkeypatch.setattr(DecoderLayer, "ffn_takes_q8", lambda self, x: False)
+    monkeypatch.setattr(attention, "DECODE_OUT_Q8", False)
     plain = [run(p) for p in cases]
     for (f_tokens, f_logits, f_calls), (tokens, logits, calls_) in zip(fused, plain, strict=True):
         assert f_tokens == tokens
