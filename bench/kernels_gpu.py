@@ -837,6 +837,33 @@ def sweep_q6k_padded(gen, copy_gbs: float) -> None:
         print_best(f"MoE layer T={t} Q4_K/Q6_K padded, down variants", results, default, copy_gbs)
 
 
+def sweep_once_8b(gen, copy_gbs: float) -> None:
+    """Launch shapes of the "once" decode GEMV (M = 1) on Qwen3-8B's matrices, the largest
+    dense ones a decode step reads (issue #4's 75%-of-copy-bandwidth target): merged q/k/v and
+    o, merged gate/up, down in Q4_K and in padded Q6_K. The 5 fastest and the default each."""
+    from moestream.kernels.mmvq import MmvqConfig, mmvq_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(6144, 4096, T.Q4_K, False), (4096, 4096, T.Q4_K, False)]
+    shapes += [(24576, 4096, T.Q4_K, False), (4096, 12288, T.Q4_K, False)]
+    shapes += [(4096, 12288, T.Q6_K, True)]
+    for n, k, qtype, padded in shapes:
+        default = mmvq_config(n, k, sms, variant="once", padded=padded)
+        groups = k // 256
+        grid = [MmvqConfig(b, 1, g, w, "once") for b in (2, 4, 8) for g in (4, 8, 16)
+                for w in (1, 2, 4)]  # fmt: skip
+        fits = [c for c in dict.fromkeys([default, *grid])
+                if groups % c.split_k == 0 and c.groups <= groups // c.split_k]  # fmt: skip
+        results = time_configs(
+            fits,
+            lambda cfg, n=n, k=k, q=qtype, p=padded: bench_matmul(
+                "mmvq", 1, n, k, q, torch.bfloat16, gen=gen, config=cfg, padded=p
+            ),
+        )  # fmt: skip
+        name = f"{qtype.name}{' padded' if padded else ''}"
+        print_best(f"MMVQ once M=1 N={n} K={k} {name}", results, default, copy_gbs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -874,6 +901,9 @@ def main() -> int:
     parser.add_argument(
         "--sweep-q6k-padded", action="store_true", help="launch shapes for padded Q6_K"
     )
+    parser.add_argument(
+        "--sweep-once-8b", action="store_true", help="launch shapes of the 8B's decode GEMVs"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or not ops.HAS_TRITON:
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -898,6 +928,7 @@ def main() -> int:
         (args.sweep_moe_once, sweep_moe_once),
         (args.sweep_q6k_layout, sweep_q6k_layout),
         (args.sweep_q6k_padded, sweep_q6k_padded),
+        (args.sweep_once_8b, sweep_once_8b),
     ]
     if any(on for on, _ in sweeps):
         for on, run in sweeps:

@@ -103,6 +103,7 @@
 #   bench/scripts/gpu_figures.sh s9d     8B and 30B figures; prefix reuse padded, then native
 #   bench/scripts/gpu_figures.sh s9e     paired q/k + v projections: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10a    the decode attention's q8 output: GPU tests, 30B decode A/B
+#   bench/scripts/gpu_figures.sh s10b    the 8B's decode GEMV launch shapes; 8B figures
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -753,6 +754,11 @@ PY
       echo "[oq8 $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/oq8.log
       cp "/tmp/r/oq8_$arm/result.json" "$out/oq8_$arm.json" 2>/dev/null
     done
+    ;;
+  s10b)  # launch shapes of the 8B's decode GEMVs; the 8B figures with the fixed decode clock
+    timeout 300 python3 bench/kernels_gpu.py --sweep-once-8b > "$out/once_8b.log" 2>&1
+    echo "[sweep rc=$?]"; grep -A7 "^MMVQ once\|^copy" "$out/once_8b.log"
+    synth qwen3-8b q8; q8
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
