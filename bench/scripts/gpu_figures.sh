@@ -104,6 +104,7 @@
 #   bench/scripts/gpu_figures.sh s9e     paired q/k + v projections: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10a    the decode attention's q8 output: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10b    the 8B's decode GEMV launch shapes; 8B figures
+#   bench/scripts/gpu_figures.sh s10c    one-warp GEMV at M = 1: GPU tests, 8B and 30B decode A/B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -759,6 +760,23 @@ PY
     timeout 300 python3 bench/kernels_gpu.py --sweep-once-8b > "$out/once_8b.log" 2>&1
     echo "[sweep rc=$?]"; grep -A7 "^MMVQ once\|^copy" "$out/once_8b.log"
     synth qwen3-8b q8; q8
+    ;;
+  s10c)  # GPU tests of the one-warp GEMV shape; the 8B's and the 30B's decode without and with
+    # it, interleaved (off, on, on, off)
+    timeout 120 python3 -m pytest tests/kernels/test_mmvq.py -q -p no:cacheprovider 2>&1 | tail -2
+    off='import moestream.kernels.mmvq as m; m.LONG_K_ONE_WARP = False; '
+    for model in q8 q30; do
+      if [[ $model == q8 ]]; then synth qwen3-8b q8; else synth qwen3-30b-a3b q30; fi
+      for arm in off1 on1 on2 off2; do
+        pre=""; [[ $arm == off* ]] && pre=$off
+        timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
+          bench /tmp/$model.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+          --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
+          --concurrency-prompt 128 --out "/tmp/r/w1_${model}_$arm" > /tmp/r/w1.log 2>&1
+        echo "[w1 $model $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/w1.log
+        cp "/tmp/r/w1_${model}_$arm/result.json" "$out/w1_${model}_$arm.json" 2>/dev/null
+      done
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

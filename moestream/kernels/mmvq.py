@@ -532,6 +532,16 @@ def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 32) -
     return g
 
 
+# H200, Qwen3-8B's Q4_K decode GEMVs at M = 1 (`bench/kernels_gpu.py --sweep-once-8b`,
+# 2026-11-30, one sample each, us): one warp a program where its K holds >= 16 groups (K >=
+# 4096) beat two or four on every shape: q/k/v 6144 x 4096 7.6 against 8.0, o 4096 x 4096 6.0 /
+# 6.4, gate/up 24576 x 4096 19.9 / 21.8 (67% of copy bandwidth), down 4096 x 12288 (4 rows, 16
+# groups a step) 12.7 / 14.1. At M = 1 only: the sm_90 builds of one warp spill from M = 2
+# (16 groups a step) or M = 8 (8 groups). Warps and rows per program do not change a row's
+# arithmetic, so the bits stay those of the other M. Off only to compare.
+LONG_K_ONE_WARP = True
+
+
 def mmvq_config(
     n: int,
     k: int,
@@ -547,7 +557,9 @@ def mmvq_config(
     three or more steps, e.g. K >= 2048 at M = 4); from the H200 sweep
     (`bench/kernels_gpu.py --sweep`): 4 rows and 8 groups per step were fastest or within 3% on
     every decode shape of Qwen3-30B-A3B and Qwen3-8B. "once": up to 8 groups per step, 2 warps
-    (capped by `mmvq_once.once_warps`); nothing depends on M, so a row's bits do not either.
+    (capped by `mmvq_once.once_warps`; one at M = 1 with a long K, `LONG_K_ONE_WARP`); the
+    groups per step and the K split, which fix a row's arithmetic, do not depend on M, so a
+    row's bits do not either.
     `padded` (Q6_K in 224-byte blocks) has shapes of its own for the head and K >= 8192."""
     block_n = 4
     if triton.cdiv(n, block_n) < 2 * sms:
@@ -568,13 +580,19 @@ def mmvq_config(
     if variant == "once":
         # From the same sweep: 16 rows per program for an output head (N >= 64k rows: 124 us
         # against 145 with 4), 8 rows and 16 groups per step for K >= 8192 (8B down: 27.7
-        # against 30.2 us); 4 rows and up to 8 groups elsewhere.
+        # against 30.2 us); 4 rows and up to 8 groups elsewhere. One warp where a program's K
+        # holds 16 groups or more (`LONG_K_ONE_WARP`).
         if n >= 1 << 16 and split_k == 1:
             return MmvqConfig(16, 1, 1 << (min(groups, 8).bit_length() - 1), 4, "once")
+        long_k = LONG_K_ONE_WARP and m_block == 1 and groups // split_k >= 16
         if groups // split_k >= 32:
-            return MmvqConfig(8, split_k, 16, 4, "once")
+            return (
+                MmvqConfig(4, split_k, 16, 1, "once")
+                if long_k
+                else MmvqConfig(8, split_k, 16, 4, "once")
+            )
         g = 1 << (min(groups // split_k, 8).bit_length() - 1)  # a power of two <= 8
-        return MmvqConfig(block_n, split_k, g, 2, "once")
+        return MmvqConfig(block_n, split_k, g, 1 if long_k else 2, "once")
     return MmvqConfig(block_n, split_k, groups_per_step(groups // split_k, m_block, block_n), 4)
 
 

@@ -134,14 +134,29 @@ def test_mmvq_once_batch_invariance_over_many_steps() -> None:
         assert torch.equal(mmvq(quantize_q8(x[rows]), w, config=cfg), y[rows])
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_mmvq_once_bits_do_not_depend_on_warps_or_rows(qtype: GGMLQuantizationType) -> None:
+    """Warps and rows per program (what `mmvq_config` picks by M) leave every row's bits as
+    they are: on a GPU each warp count compiles its own layout; the groups per step stay 2."""
+    w = random_blocks(qtype, 13, 1024, seed=int(qtype))
+    for m in (1, 3):
+        a = quantize_q8(activations(m, 1024, torch.float32, seed=m + 20))
+        outs = [mmvq(a, w, config=MmvqConfig(b, 1, 2, warps, "once"))
+                for b, warps in ((4, 1), (4, 2), (8, 4), (2, 2))]  # fmt: skip
+        assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_mmvq_once_default_config_does_not_depend_on_m() -> None:
     from moestream.kernels.mmvq import mmvq_config
     from moestream.kernels.mmvq_once import once_warps
 
-    cfgs = {mmvq_config(5120, 4096, 132, mb, variant="once") for mb in (1, 2, 4, 8)}
-    assert len(cfgs) == 1
-    cfg = cfgs.pop()
-    assert cfg.variant == "once" and once_warps(cfg, 4) * 16 <= 4 * cfg.groups
+    for n, k in ((5120, 4096), (4096, 12288), (5120, 2048)):
+        cfgs = [mmvq_config(n, k, 132, mb, variant="once") for mb in (1, 2, 4, 8)]
+        assert len({(c.split_k, c.groups, c.variant) for c in cfgs}) == 1  # what sets the bits
+        for cfg in cfgs:
+            assert cfg.variant == "once" and once_warps(cfg, 4) * 16 <= 4 * cfg.groups
+    assert mmvq_config(5120, 4096, 132, 1, variant="once").num_warps == 1  # LONG_K_ONE_WARP
+    assert mmvq_config(5120, 4096, 132, 2, variant="once").num_warps == 2
     with pytest.raises(ValueError, match="variant"):
         mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q4_K, (8, 256), 0),
              config=MmvqConfig(variant="rows"))  # fmt: skip
