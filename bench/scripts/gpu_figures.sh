@@ -105,6 +105,7 @@
 #   bench/scripts/gpu_figures.sh s10a    the decode attention's q8 output: GPU tests, 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10b    the 8B's decode GEMV launch shapes; 8B figures
 #   bench/scripts/gpu_figures.sh s10c    one-warp GEMV at M = 1: GPU tests, 8B and 30B decode A/B
+#   bench/scripts/gpu_figures.sh s10d    greedy GPU vs CPU; 30B and 8B figures
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -777,6 +778,15 @@ PY
         cp "/tmp/r/w1_${model}_$arm/result.json" "$out/w1_${model}_$arm.json" 2>/dev/null
       done
     done
+    ;;
+  s10d)  # the 30B and 8B figures at the session's last kernel change; greedy GPU vs CPU
+    timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
+      --json "$out/greedy.json" 2>&1 | tail -12
+    synth qwen3-30b-a3b q30
+    bench q30 280 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
+    synth qwen3-8b q8; q8
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
