@@ -106,6 +106,7 @@
 #   bench/scripts/gpu_figures.sh s10b    the 8B's decode GEMV launch shapes; 8B figures
 #   bench/scripts/gpu_figures.sh s10c    one-warp GEMV at M = 1: GPU tests, 8B and 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10d    greedy GPU vs CPU; 30B and 8B figures
+#   bench/scripts/gpu_figures.sh s10e    prefix reuse at 32k; tiny-pair speculation
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -787,6 +788,10 @@ PY
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
       --concurrency-prompt 128
     synth qwen3-8b q8; q8
+    ;;
+  s10e)  # prefix reuse at 32k; the tiny pair's speculation (plain, then --deterministic)
+    synth qwen3-30b-a3b q30; prefix
+    spec 130 2
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
