@@ -107,6 +107,7 @@
 #   bench/scripts/gpu_figures.sh s10c    one-warp GEMV at M = 1: GPU tests, 8B and 30B decode A/B
 #   bench/scripts/gpu_figures.sh s10d    greedy GPU vs CPU; 30B and 8B figures
 #   bench/scripts/gpu_figures.sh s10e    prefix reuse at 32k; tiny-pair speculation
+#   bench/scripts/gpu_figures.sh s10f    Nsight Compute on the 8B's decode GEMVs (M = 1)
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -792,6 +793,13 @@ PY
   s10e)  # prefix reuse at 32k; the tiny pair's speculation (plain, then --deterministic)
     synth qwen3-30b-a3b q30; prefix
     spec 130 2
+    ;;
+  s10f)  # Nsight Compute on the 8B's decode GEMVs at M = 1 (what holds them under 75% of copy)
+    timeout 300 ncu --kernel-name regex:_mmvq_once_kernel --clock-control none \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 bench/gemv_launches.py > "$out/ncu_gemv.txt" 2>&1
+    echo "[ncu rc=$?]"; grep -E "x [0-9]+ Q|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Waves Per|Eligible|Issued Warp|No Eligible|Stall" "$out/ncu_gemv.txt" | head -120
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
