@@ -108,6 +108,7 @@
 #   bench/scripts/gpu_figures.sh s10d    greedy GPU vs CPU; 30B and 8B figures
 #   bench/scripts/gpu_figures.sh s10e    prefix reuse at 32k; tiny-pair speculation
 #   bench/scripts/gpu_figures.sh s10f    Nsight Compute on the 8B's decode GEMVs (M = 1)
+#   bench/scripts/gpu_figures.sh s10g    Nsight Compute on the 30B's MoE decode kernels (T = 1)
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -800,6 +801,13 @@ PY
       --section SchedulerStats --section MemoryWorkloadAnalysis \
       python3 bench/gemv_launches.py > "$out/ncu_gemv.txt" 2>&1
     echo "[ncu rc=$?]"; grep -E "x [0-9]+ Q|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Waves Per|Eligible|Issued Warp|No Eligible|Stall" "$out/ncu_gemv.txt" | head -120
+    ;;
+  s10g)  # Nsight Compute on the 30B's MoE decode kernels at T = 1
+    timeout 300 ncu --kernel-name regex:'_gate_up_once_kernel|_down_mmvq_kernel' --launch-count 6 \
+      --clock-control none --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section InstructionStats python3 bench/gemv_launches.py --moe > "$out/ncu_moe1.txt" 2>&1
+    echo "[ncu rc=$?]"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Registers Per|Waves Per|Eligible|Issued Warp|Stall|Block Limit|Executed Ipc" "$out/ncu_moe1.txt" | head -90
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
