@@ -109,6 +109,7 @@
 #   bench/scripts/gpu_figures.sh s10e    prefix reuse at 32k; tiny-pair speculation
 #   bench/scripts/gpu_figures.sh s10f    Nsight Compute on the 8B's decode GEMVs (M = 1)
 #   bench/scripts/gpu_figures.sh s10g    Nsight Compute on the 30B's MoE decode kernels (T = 1)
+#   bench/scripts/gpu_figures.sh s10h    30B decode with smaller MoE decode programs, A/B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -808,6 +809,22 @@ PY
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --section InstructionStats python3 bench/gemv_launches.py --moe > "$out/ncu_moe1.txt" 2>&1
     echo "[ncu rc=$?]"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Registers Per|Waves Per|Eligible|Issued Warp|Stall|Block Limit|Executed Ipc" "$out/ncu_moe1.txt" | head -90
+    ;;
+  s10h)  # the 30B's decode with MoE decode launch shapes of more, smaller programs (run 7's ncu:
+    # both MoE kernels fill under half a wave at T = 1), in turn with the default
+    synth qwen3-30b-a3b q30
+    cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
+    declare -A arms=([base1]="" [d2]="$cfg, down_block_n=2); " [d2w2]="$cfg, down_block_n=2, down_warps=2); "
+      [d1w2]="$cfg, down_block_n=1, down_warps=2); " [u4]="$cfg, up_block_n=4); " [base2]="")
+    for arm in base1 d2 d2w2 d1w2 u4 base2; do
+      timeout 100 python3 -c "${arms[$arm]}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
+        --concurrency-prompt 128 --out "/tmp/r/moe_$arm" > /tmp/r/moe.log 2>&1
+      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/moe.log
+      [[ -f /tmp/r/moe_$arm/result.json ]] || tail -5 /tmp/r/moe.log
+      cp "/tmp/r/moe_$arm/result.json" "$out/moe_$arm.json" 2>/dev/null
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
