@@ -110,6 +110,7 @@
 #   bench/scripts/gpu_figures.sh s10f    Nsight Compute on the 8B's decode GEMVs (M = 1)
 #   bench/scripts/gpu_figures.sh s10g    Nsight Compute on the 30B's MoE decode kernels (T = 1)
 #   bench/scripts/gpu_figures.sh s10h    30B decode with smaller MoE decode programs, A/B
+#   bench/scripts/gpu_figures.sh s10i    MoE gate/up rows a program A/B; 30B figures
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -825,6 +826,26 @@ PY
       [[ -f /tmp/r/moe_$arm/result.json ]] || tail -5 /tmp/r/moe.log
       cp "/tmp/r/moe_$arm/result.json" "$out/moe_$arm.json" 2>/dev/null
     done
+    ;;
+  s10i)  # the MoE gate/up with 4 rows a program (the default now) against 8 (before), 2, and 4
+    # with one warp, in turn; then the 30B figures at the default
+    synth qwen3-30b-a3b q30
+    cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
+    declare -A arms=([u8a]="$cfg, up_block_n=8); " [u4a]="" [u2]="$cfg, up_block_n=2); "
+      [u4w1]="$cfg, up_warps=1); " [u4b]="" [u8b]="$cfg, up_block_n=8); ")
+    for arm in u8a u4a u2 u4w1 u4b u8b; do
+      timeout 100 python3 -c "${arms[$arm]}import sys; from moestream.cli import main; sys.exit(main())" \
+        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
+        --concurrency-prompt 128 --out "/tmp/r/moe_$arm" > /tmp/r/moe.log 2>&1
+      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/moe.log
+      cp "/tmp/r/moe_$arm/result.json" "$out/moe_$arm.json" 2>/dev/null
+    done
+    bench q30 200 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
+      --concurrency-prompt 128
+    timeout 90 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider \
+      -k "mmvq_matches_its_reference or dispatches" 2>&1 | tail -2
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
