@@ -417,7 +417,7 @@ def _down_mmvq_kernel(
 # 0.48 waves (768 gate/up programs, 14 us at 21% of DRAM throughput), and the 30B's batch-1
 # decode ran 2.4% faster with 4 rows a program (twice the programs; bench/RESULTS.md, tenth
 # session), while halving the down kernel's rows lost 8%.
-DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=2)
+DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
 # some of them across the host link). H200, 30B layer with half its experts in pinned host memory
