@@ -410,13 +410,14 @@ def _down_mmvq_kernel(
 
 
 # The launch shape `moe.fused_moe` takes when given none: gate/up by the "once" kernel, 4 rows a
-# program, all 8 groups of H = 2048 in one step, 2 warps. H200, Qwen3-30B-A3B layer, Q4_K/Q6_K,
+# program, all 8 groups of H = 2048 in one step, 1 warp. H200, Qwen3-30B-A3B layer, Q4_K/Q6_K,
 # T = 1 (`bench/kernels_gpu.py --sweep-moe-once`, 2026-11-30): 26.7 us for the layer with 8 rows
-# against 29.8 for the tile kernel's default shape, 4 rows 27.1, 16 or more rows slower
-# (28.6-38.5). In the model the ranking differs: Nsight Compute put both MoE decode kernels at
-# 0.48 waves (768 gate/up programs, 14 us at 21% of DRAM throughput), and the 30B's batch-1
-# decode ran 2.4% faster with 4 rows a program (twice the programs; bench/RESULTS.md, tenth
-# session), while halving the down kernel's rows lost 8%.
+# and 2 warps against 29.8 for the tile kernel's default shape, 4 rows 27.1, 4 rows and 1 warp
+# 27.6. In the model the ranking differs (bench/RESULTS.md, tenth session): Nsight Compute put
+# both MoE decode kernels under half a wave at T = 1 (768 gate/up programs, 14 us at 21% of DRAM
+# throughput), and the 30B's batch-1 decode ran +2.7% with 4 rows (twice the programs), +4.5%
+# more with one warp each (456-457 -> 469-470 -> 490-493 tok/s; 8 requests unchanged), while
+# halving the down kernel's rows lost 8%. Warps and rows per program leave the bits as they are.
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,

@@ -47,4 +47,17 @@ def test_divergence_gets_the_reference_margin(models) -> None:
         assert r["ref_token"] != r["other_token"]
         assert math.isfinite(r["margin_nats"]) and r["margin_nats"] >= 0.0  # target's argmax
         assert r["other_rank"] >= 1
+        assert r["bound_nats"] == 0.1  # float32 models: two steps are far below 0.1 nats
         assert r["near_tie"] == (r["margin_nats"] <= 0.1)
+
+
+def test_near_tie_bound_is_two_steps_of_the_dtype_or_the_tie() -> None:
+    """bf16 logits of 8-16 are 0.0625 apart: two steps (0.125) exceed a 0.1 tie; of 1-2, the
+    tie stays; float32 never widens it."""
+    import torch
+
+    bound = load_script().near_tie_bound
+    assert bound(0.1, torch.bfloat16, 10.9) == 0.125
+    assert bound(0.1, torch.bfloat16, -20.0) == 0.25
+    assert bound(0.1, torch.bfloat16, 1.5) == 0.1
+    assert bound(0.1, torch.float32, 30.0) == 0.1
