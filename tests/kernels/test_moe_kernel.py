@@ -408,6 +408,27 @@ def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
     assert rel_err(first, moe_mmvq_ref(*args)) < 2e-3
 
 
+def test_fused_moe_mmvq_once_bits_do_not_depend_on_rows_or_warps():
+    """The "once" gate/up with 8 rows a program and 2 warps (the old default) or 4 and 1 (the
+    new) gives the same bits: on a GPU each warp count compiles its own layout."""
+    gate = stacked(T.Q4_K, (2, FF, H2), seed=50)
+    up = stacked(T.Q4_K, (2, FF, H2), seed=51)
+    down = stacked(T.Q6_K, (2, H2, FF), seed=52)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(53)).to(DEVICE)
+    ids = torch.tensor([[1, 0]], device=DEVICE)
+    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
+    args = (x, ids, weights, gate, up, down, slot)
+    counters = mmvq_counters(2, FF, DEVICE)
+    outs = [
+        fused_moe(*args, method="mmvq", counters=counters, mmvq_cfg=MoeMmvqConfig(
+            up_once=True, up_block_n=rows, up_groups=2, up_warps=warps, down_block_n=512))
+        for rows, warps in ((8, 2), (4, 1))
+    ]  # fmt: skip
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert not counters.any()
+
+
 def test_moe_mmvq_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="up_split"):
         MoeMmvqConfig(up_split=3)
