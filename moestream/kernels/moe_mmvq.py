@@ -415,7 +415,7 @@ def _down_mmvq_kernel(
 # and 2 warps against 29.8 for the tile kernel's default shape, 4 rows 27.1, 4 rows and 1 warp
 # 27.6. In the model the ranking differs (bench/RESULTS.md, tenth session): Nsight Compute put
 # both MoE decode kernels under half a wave at T = 1 (768 gate/up programs, 14 us at 21% of DRAM
-# throughput), and the 30B's batch-1 decode ran +2.7% with 4 rows (twice the programs), +4.5%
+# throughput), and the 30B's batch-1 decode ran +2.8% with 4 rows (twice the programs), +4.5%
 # more with one warp each (456-457 -> 469-470 -> 490-493 tok/s; 8 requests unchanged), while
 # halving the down kernel's rows lost 8%. Warps and rows per program leave the bits as they are.
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
