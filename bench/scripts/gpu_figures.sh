@@ -170,14 +170,25 @@ profile_b() {  # profile_b BATCH: top kernels of a 512-token prefill and of deco
     --batch "$1" --decode-tokens 16 --rows 40 > "$out/profile_b$1.txt" 2>&1
   echo "[profile b=$1 rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b$1.txt" | head -90
 }
-ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of the 30B's decode
-  # (batch 1 and 8 requests, or AB_CONC); PRELUDE is Python run before the CLI (the arm's patch)
+ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of a model's decode
+  # (/tmp/$AB_MODEL.gguf, the 30B by default; batch 1 and 8 requests, or AB_CONC; AB_TOKENS
+  # timed tokens, 64 by default); PRELUDE is Python run before the CLI (the arm's patch)
   timeout "$4" python3 -c "${3}import sys; from moestream.cli import main; sys.exit(main())" \
-    bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
-    --decode-tokens 64 --repeats 3 --concurrency "${AB_CONC:-1,8}" --concurrency-prompt 128 \
-    --out "/tmp/r/ab_$2" > /tmp/r/ab.log 2>&1
+    bench "/tmp/${AB_MODEL:-q30}.gguf" --device cuda --kv-cache-gib 8 --prompt-lens 512 \
+    --decode-depths 0 --decode-tokens "${AB_TOKENS:-64}" --repeats 3 \
+    --concurrency "${AB_CONC:-1,8}" --concurrency-prompt 128 --out "/tmp/r/ab_$2" \
+    > /tmp/r/ab.log 2>&1
   echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 \|^| 16 \|^| 32 " /tmp/r/ab.log
   cp "/tmp/r/ab_$2/result.json" "$out/ab_$1_$2.json" 2>/dev/null
+}
+moe_ab() {  # moe_ab NAME=FIELDS...: the 30B's decode (ab_decode, 32 tokens) per arm in turn,
+  # FIELDS replacing those of moe_mmvq.DEFAULT_CONFIG (none: the default)
+  local cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
+  local arm pre
+  for arm in "$@"; do
+    pre=""; [[ -n ${arm#*=} ]] && pre="$cfg, ${arm#*=}); "
+    AB_TOKENS=32 ab_decode moe "${arm%%=*}" "$pre" 100
+  done
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
@@ -754,12 +765,7 @@ PY
     off='import moestream.layers.attention as a; a.DECODE_OUT_Q8 = False; '
     for arm in off1 on1 on2 off2; do
       pre=""; [[ $arm == off* ]] && pre=$off
-      timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
-        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
-        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
-        --concurrency-prompt 128 --out "/tmp/r/oq8_$arm" > /tmp/r/oq8.log 2>&1
-      echo "[oq8 $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/oq8.log
-      cp "/tmp/r/oq8_$arm/result.json" "$out/oq8_$arm.json" 2>/dev/null
+      AB_TOKENS=32 ab_decode oq8 "$arm" "$pre" 100
     done
     ;;
   s10b)  # launch shapes of the 8B's decode GEMVs; the 8B figures with the fixed decode clock
@@ -775,12 +781,7 @@ PY
       if [[ $model == q8 ]]; then synth qwen3-8b q8; else synth qwen3-30b-a3b q30; fi
       for arm in off1 on1 on2 off2; do
         pre=""; [[ $arm == off* ]] && pre=$off
-        timeout 100 python3 -c "${pre}import sys; from moestream.cli import main; sys.exit(main())" \
-          bench /tmp/$model.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
-          --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
-          --concurrency-prompt 128 --out "/tmp/r/w1_${model}_$arm" > /tmp/r/w1.log 2>&1
-        echo "[w1 $model $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/w1.log
-        cp "/tmp/r/w1_${model}_$arm/result.json" "$out/w1_${model}_$arm.json" 2>/dev/null
+        AB_MODEL=$model AB_TOKENS=32 ab_decode "w1_$model" "$arm" "$pre" 100
       done
     done
     ;;
@@ -814,33 +815,13 @@ PY
   s10h)  # the 30B's decode with MoE decode launch shapes of more, smaller programs (run 7's ncu:
     # both MoE kernels fill under half a wave at T = 1), in turn with the default
     synth qwen3-30b-a3b q30
-    cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
-    declare -A arms=([base1]="" [d2]="$cfg, down_block_n=2); " [d2w2]="$cfg, down_block_n=2, down_warps=2); "
-      [d1w2]="$cfg, down_block_n=1, down_warps=2); " [u4]="$cfg, up_block_n=4); " [base2]="")
-    for arm in base1 d2 d2w2 d1w2 u4 base2; do
-      timeout 100 python3 -c "${arms[$arm]}import sys; from moestream.cli import main; sys.exit(main())" \
-        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
-        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
-        --concurrency-prompt 128 --out "/tmp/r/moe_$arm" > /tmp/r/moe.log 2>&1
-      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/moe.log
-      [[ -f /tmp/r/moe_$arm/result.json ]] || tail -5 /tmp/r/moe.log
-      cp "/tmp/r/moe_$arm/result.json" "$out/moe_$arm.json" 2>/dev/null
-    done
+    moe_ab base1= d2="down_block_n=2" d2w2="down_block_n=2, down_warps=2" \
+      d1w2="down_block_n=1, down_warps=2" u4="up_block_n=4" base2=
     ;;
   s10i)  # the MoE gate/up with 4 rows a program (the default now) against 8 (before), 2, and 4
     # with one warp, in turn; then the 30B figures at the default
     synth qwen3-30b-a3b q30
-    cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
-    declare -A arms=([u8a]="$cfg, up_block_n=8); " [u4a]="" [u2]="$cfg, up_block_n=2); "
-      [u4w1]="$cfg, up_warps=1); " [u4b]="" [u8b]="$cfg, up_block_n=8); ")
-    for arm in u8a u4a u2 u4w1 u4b u8b; do
-      timeout 100 python3 -c "${arms[$arm]}import sys; from moestream.cli import main; sys.exit(main())" \
-        bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 \
-        --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 1,8 \
-        --concurrency-prompt 128 --out "/tmp/r/moe_$arm" > /tmp/r/moe.log 2>&1
-      echo "[moe $arm rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 " /tmp/r/moe.log
-      cp "/tmp/r/moe_$arm/result.json" "$out/moe_$arm.json" 2>/dev/null
-    done
+    moe_ab u8a="up_block_n=8" u4a= u2="up_block_n=2" u4w1="up_warps=1" u4b= u8b="up_block_n=8"
     bench q30 200 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3 --concurrency 1,8,16,32 \
       --concurrency-prompt 128

@@ -348,20 +348,26 @@ def test_fused_moe_mmvq_variants_match_reference(cfg, qtypes, t, k):
         assert torch.equal(one[0], out[0])
 
 
+def two_experts(ids: list[list[int]], weights: list[list[float]], seed: int) -> tuple:
+    """`fused_moe`'s first seven arguments for one token over two experts of H2 (Q4_K gate and
+    up, Q6_K down, stored in swapped slots): x, ids, weights, gate, up, down, slot."""
+    gate = stacked(T.Q4_K, (2, FF, H2), seed=seed)
+    up = stacked(T.Q4_K, (2, FF, H2), seed=seed + 1)
+    down = stacked(T.Q6_K, (2, H2, FF), seed=seed + 2)
+    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
+    ids_t = torch.tensor(ids, device=DEVICE)
+    return x, ids_t, torch.tensor(weights, device=DEVICE), gate, up, down, slot
+
+
 def test_fused_moe_mmvq_split_leaves_counters_zero_and_takes_quantized_x():
     """A K-split launch resets its arrival counters (so one buffer serves launch after launch,
     as CUDA-graph replays need); activations quantized by the caller (`xa`) and experts found
     by address give the same bits as x quantized inside and the stacks' slots."""
-    gate = stacked(T.Q4_K, (2, FF, H2), seed=30)
-    up = stacked(T.Q4_K, (2, FF, H2), seed=31)
-    down = stacked(T.Q6_K, (2, H2, FF), seed=32)
-    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(33)).to(DEVICE)
-    ids = torch.tensor([[1, 0]], device=DEVICE)
-    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
+    args = two_experts([[1, 0]], [[0.75, 0.25]], seed=30)
+    x, ids, weights, gate, up, down, slot = args
     cfg = MoeMmvqConfig(up_groups=1, up_split=2, down_block_n=512, down_experts=1)
     counters = mmvq_counters(2, FF, DEVICE)
-    args = (x, ids, weights, gate, up, down, slot)
     first = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
     assert not counters.any()
     again = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters, xa=quantize_q8(x))
@@ -384,16 +390,10 @@ def test_fused_moe_mmvq_split_leaves_counters_zero_and_takes_quantized_x():
 def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
     """The "once" gate/up's last-arriver epilogue resets its counters; experts found by
     address give the same bits as the stacks' slots."""
-    gate = stacked(T.Q4_K, (2, FF, H2), seed=40)
-    up = stacked(T.Q4_K, (2, FF, H2), seed=41)
-    down = stacked(T.Q6_K, (2, H2, FF), seed=42)
-    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(43)).to(DEVICE)
-    ids = torch.tensor([[1]], device=DEVICE)
-    weights = torch.tensor([[0.75]], device=DEVICE)
+    args = two_experts([[1]], [[0.75]], seed=40)
+    x, ids, weights, gate, up, down, slot = args
     cfg = MoeMmvqConfig(up_once=True, up_block_n=8, up_groups=2, down_block_n=512)
     counters = mmvq_counters(1, FF, DEVICE)
-    args = (x, ids, weights, gate, up, down, slot)
     first = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
     assert not counters.any()
     again = fused_moe(*args, method="mmvq", mmvq_cfg=cfg, counters=counters)
@@ -411,14 +411,7 @@ def test_fused_moe_mmvq_once_leaves_counters_zero_and_reads_by_address():
 def test_fused_moe_mmvq_once_bits_do_not_depend_on_rows_or_warps():
     """The "once" gate/up with 8 rows a program and 2 warps (the old default) or 4 and 1 (the
     new) gives the same bits: on a GPU each warp count compiles its own layout."""
-    gate = stacked(T.Q4_K, (2, FF, H2), seed=50)
-    up = stacked(T.Q4_K, (2, FF, H2), seed=51)
-    down = stacked(T.Q6_K, (2, H2, FF), seed=52)
-    slot = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    x = torch.randn(1, H2, generator=torch.Generator().manual_seed(53)).to(DEVICE)
-    ids = torch.tensor([[1, 0]], device=DEVICE)
-    weights = torch.tensor([[0.75, 0.25]], device=DEVICE)
-    args = (x, ids, weights, gate, up, down, slot)
+    args = two_experts([[1, 0]], [[0.75, 0.25]], seed=50)
     counters = mmvq_counters(2, FF, DEVICE)
     outs = [
         fused_moe(*args, method="mmvq", counters=counters, mmvq_cfg=MoeMmvqConfig(
