@@ -181,6 +181,13 @@ ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of a mode
   echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 \|^| 16 \|^| 32 " /tmp/r/ab.log
   cp "/tmp/r/ab_$2/result.json" "$out/ab_$1_$2.json" 2>/dev/null
 }
+onoff_ab() {  # onoff_ab WHAT PRELUDE: ab_decode's arms off1, on1, on2, off2 (32 tokens), the
+  # off arms run after PRELUDE
+  local arm
+  for arm in off1 on1 on2 off2; do
+    AB_TOKENS=32 ab_decode "$1" "$arm" "$([[ $arm == off* ]] && echo "$2")" 100
+  done
+}
 moe_ab() {  # moe_ab NAME=FIELDS...: the 30B's decode (ab_decode, 32 tokens) per arm in turn,
   # FIELDS replacing those of moe_mmvq.DEFAULT_CONFIG (none: the default)
   local cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
@@ -762,11 +769,7 @@ PY
     timeout 150 python3 -m pytest tests/layers/test_q8_fusion.py tests/runner/test_cuda_graph.py \
       -m gpu -q -p no:cacheprovider 2>&1 | tail -3
     synth qwen3-30b-a3b q30
-    off='import moestream.layers.attention as a; a.DECODE_OUT_Q8 = False; '
-    for arm in off1 on1 on2 off2; do
-      pre=""; [[ $arm == off* ]] && pre=$off
-      AB_TOKENS=32 ab_decode oq8 "$arm" "$pre" 100
-    done
+    onoff_ab oq8 'import moestream.layers.attention as a; a.DECODE_OUT_Q8 = False; '
     ;;
   s10b)  # launch shapes of the 8B's decode GEMVs; the 8B figures with the fixed decode clock
     timeout 300 python3 bench/kernels_gpu.py --sweep-once-8b > "$out/once_8b.log" 2>&1
@@ -779,10 +782,7 @@ PY
     off='import moestream.kernels.mmvq as m; m.LONG_K_ONE_WARP = False; '
     for model in q8 q30; do
       if [[ $model == q8 ]]; then synth qwen3-8b q8; else synth qwen3-30b-a3b q30; fi
-      for arm in off1 on1 on2 off2; do
-        pre=""; [[ $arm == off* ]] && pre=$off
-        AB_MODEL=$model AB_TOKENS=32 ab_decode "w1_$model" "$arm" "$pre" 100
-      done
+      AB_MODEL=$model onoff_ab "w1_$model" "$off"
     done
     ;;
   s10d)  # the 30B and 8B figures at the session's last kernel change; greedy GPU vs CPU
