@@ -111,6 +111,7 @@
 #   bench/scripts/gpu_figures.sh s10g    Nsight Compute on the 30B's MoE decode kernels (T = 1)
 #   bench/scripts/gpu_figures.sh s10h    30B decode with smaller MoE decode programs, A/B
 #   bench/scripts/gpu_figures.sh s10i    MoE gate/up rows a program A/B; 30B figures
+#   bench/scripts/gpu_figures.sh s11a    MoE down: expert split and warps, GPU tests and A/B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -827,6 +828,14 @@ PY
       --concurrency-prompt 128
     timeout 90 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider \
       -k "mmvq_matches_its_reference or dispatches" 2>&1 | tail -2
+    ;;
+  s11a)  # GPU tests of the MoE down kernel's expert split; the 30B's decode with the down
+    # kernel's experts over 2, 4 and 8 programs and with 1 or 2 warps, in turn with the default
+    timeout 150 python3 -m pytest tests/kernels/test_moe_kernel.py -q -p no:cacheprovider \
+      -k "down_split or mmvq_matches_its_reference or dispatches" 2>&1 | tail -2
+    synth qwen3-30b-a3b q30
+    moe_ab base1= s2="down_split=2" s4="down_split=4" s8="down_split=8" w2="down_warps=2" \
+      w1="down_warps=1" base2=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -62,7 +62,9 @@ class MoeMmvqConfig:
     `up_once`: gate/up by `_gate_up_once_kernel` instead (activations loaded once per K step
     and shared by `up_block_n` gate and as many up rows, the dense "once" kernel's step;
     `up_groups` groups per step, `up_warps` capped by `mmvq_once.capped_warps`;
-    `up_split` and `up_fused` unused)."""
+    `up_split` and `up_fused` unused). `down_split`: the token's k experts spread over that many
+    programs per block of rows (k / down_split each, `down_experts` at a time), each storing
+    its partial sums; the last to arrive adds them in order (1: one program walks all k)."""
 
     # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`bench/kernels_gpu.py --sweep-moe`, 2026-11-30,
     # bench/RESULTS.md): 26.7 us at T = 1 and 123.2 us at T = 8, against 34.5 / 172.9 for the
@@ -81,11 +83,13 @@ class MoeMmvqConfig:
     down_tree: bool = False
     up_once: bool = False
     up_block_n: int = 4
+    down_split: int = 1
 
     def __post_init__(self) -> None:
         if self.up_block_n not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"MoeMmvqConfig.up_block_n must divide 32, got {self.up_block_n}")
-        for name in ("up_groups", "up_split", "down_block_n", "down_groups", "down_experts"):
+        for name in ("up_groups", "up_split", "down_block_n", "down_groups", "down_experts",
+                     "down_split"):  # fmt: skip
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeMmvqConfig.{name} must be a power of two, got {v}")
@@ -347,15 +351,20 @@ def _acc_q6_k_rows(acc, rows, sb, c, ok, wt, xq, xd, PADDED: tl.constexpr, ASM: 
 
 @triton.jit
 def _down_mmvq_kernel(
-    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr, addr_ptr,
-    E_ADDR, H, stride_de, stride_dn, stride_ot,
+    hq_ptr, hd_ptr, hs_ptr, ids_ptr, weights_ptr, slot_ptr, d_ptr, out_ptr, addr_ptr, part_ptr,
+    count_ptr, E_ADDR, H, stride_de, stride_dn, stride_ot,
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-    G: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, ROWS: tl.constexpr,
-    ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    G: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr,
+    ROWS: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (token t, block of H rows): out[t] = sum_j weight_j * down_slot_j(h_{t,j}).
+    """Program (token t, block of H rows, expert split s): out[t] = sum_j weight_j *
+    down_slot_j(h_{t,j}).
 
-    The token's k experts are taken CHUNK at a time (a runtime loop over chunks, so only one
+    With SPLIT > 1 program s takes the experts s * k / SPLIT .. (s + 1) * k / SPLIT - 1, stores
+    its partial sums in part[t, s] and bumps the block's counter; the last of the SPLIT to
+    arrive adds the partials in split order (from 0.0, as one program adds its chunks) and
+    stores out[t]: with CHUNK = k / SPLIT the bits equal SPLIT = 1's at that CHUNK.
+    The experts are taken CHUNK at a time (a runtime loop over chunks, so only one
     chunk's loads are live: registers, hence occupancy); a chunk's experts are unrolled (a
     static loop) over one tile per K step that accumulates them in selection order and is
     reduced once (`_row_sums`, or a plain sum with ROWS); the (chunk, step) sums are added in
@@ -379,7 +388,9 @@ def _down_mmvq_kernel(
         nc = nr[None, :, None, None]  # [1, BN, 1, 1]
         r = tl.arange(0, SUB * G)[None, None, :, None]
     y = tl.zeros([BLOCK_N], tl.float32)
-    for c in tl.range(0, TOPK, CHUNK, loop_unroll_factor=1):
+    PER: tl.constexpr = TOPK // SPLIT  # experts of this program
+    c0 = tl.program_id(2) * PER
+    for c in tl.range(c0, c0 + PER, CHUNK, loop_unroll_factor=1):
         for i in range(0, F // 256, G):
             sb = i + r // SUB
             ok = sb < F // 256
@@ -406,7 +417,16 @@ def _down_mmvq_kernel(
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
             else:
                 y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
-    tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+    if SPLIT > 1:
+        parts = part_ptr + t * SPLIT * H + n  # [BN] of split 0
+        tl.store(parts + tl.program_id(2) * H, y, mask=n < H)
+        if last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            y = tl.zeros([BLOCK_N], tl.float32)
+            for j in tl.static_range(SPLIT):
+                y += tl.load(parts + j * H, mask=n < H, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+    else:
+        tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 # The launch shape `moe.fused_moe` takes when given none: gate/up by the "once" kernel, 4 rows a
@@ -455,12 +475,16 @@ def moe_mmvq_ref(
     return out.float()
 
 
-def mmvq_counters(assignments: int, f: int, device: torch.device | str) -> torch.Tensor:
-    """The arrival counters of the "mmvq" gate/up split (`MoeMmvqConfig.up_split` > 1): int32
-    [assignments * F / 32], zero. Every launch leaves them at zero, so one buffer serves every
-    launch of up to `assignments` pairs in stream order (launches that may run concurrently
-    need one each)."""
-    return arrival_counters(assignments * (f // 32), device)
+def mmvq_counters(
+    assignments: int, f: int, device: torch.device | str, h: int = 0, top_k: int = 1
+) -> torch.Tensor:
+    """The arrival counters of the "mmvq" path's epilogues: int32 zeros, [assignments * F / 32]
+    for the gate/up's (K split, or the "once" kernel's q8 blocks), at least (assignments /
+    top_k) * H for the down's expert split (`MoeMmvqConfig.down_split` > 1: a token's blocks
+    of rows; H = 0: none). Every launch leaves them at zero, so one buffer serves every launch
+    of up to `assignments` pairs in stream order (the two kernels run one after the other;
+    launches that may run concurrently need one each)."""
+    return arrival_counters(max(assignments * (f // 32), assignments // top_k * h), device)
 
 
 def _arrivals(counters: torch.Tensor | None, a: int, f: int, device: torch.device) -> torch.Tensor:
@@ -555,12 +579,21 @@ def fused_moe_mmvq(
             FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
             num_warps=cfg.up_warps, **pdl_args(out.device),
         )  # fmt: skip
-    chunk = _divisor_at_most(k, cfg.down_experts)
-    _down_mmvq_kernel[(t, triton.cdiv(h, cfg.down_block_n))](
-        hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr,
+    split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
+    chunk = _divisor_at_most(k // split, cfg.down_experts)
+    blocks = triton.cdiv(h, cfg.down_block_n)
+    part = count = hd  # unused pointers without a split
+    if split > 1:
+        part = torch.empty((t, split, h), dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = arrival_counters(t * blocks, x.device)
+        check_counters(counters, t * blocks, x.device)
+        count = counters
+    _down_mmvq_kernel[(t, blocks, split)](
+        hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr, part, count,
         n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
         QD=kernel_qtype(down), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
-        G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk,
+        G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk, SPLIT=split,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
         ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device),
     )  # fmt: skip

@@ -174,8 +174,8 @@ class SparseMoE:
             from moestream.kernels.router import route_counters
 
             self.route_counters = route_counters(router.device)
-        # Likewise for the fused experts' gate/up split (`kernels.moe_mmvq.mmvq_counters`), made
-        # at the first fused call (the eager step before any graph capture).
+        # Likewise for the fused experts' epilogues (`kernels.moe_mmvq.mmvq_counters`), made at
+        # the first fused call (the eager step before any graph capture).
         self._moe_counters: torch.Tensor | None = None
 
     @property
@@ -246,7 +246,7 @@ class SparseMoE:
                     from moestream.kernels.moe_mmvq import mmvq_counters
 
                     self._moe_counters = mmvq_counters(
-                        MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device
+                        MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device, gate.shape[2], self.top_k
                     )
                 counters = self._moe_counters
             return ops.moe_forward(

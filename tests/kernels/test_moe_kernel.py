@@ -22,6 +22,7 @@ if DEVICE == "cpu":  # the modules above do not import triton; the kernel module
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from moestream.kernels.arrival import arrival_counters  # noqa: E402
 from moestream.kernels.mmvq import MMVQ_DENSE_QTYPES, quantize_q8  # noqa: E402
 from moestream.kernels.moe import align_assignments, default_method, fused_moe  # noqa: E402
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, mmvq_counters, moe_mmvq_ref  # noqa: E402
@@ -422,6 +423,32 @@ def test_fused_moe_mmvq_once_bits_do_not_depend_on_rows_or_warps():
     assert not counters.any()
 
 
+def test_fused_moe_mmvq_down_split_adds_the_same_partials():
+    """The down kernel with the token's experts spread over 2 programs (the last to arrive adds
+    their partials) gives the bits of one program that walks them 1 at a time (the same
+    partials, added in the same order); its counters are left zero; experts read by address
+    agree; a counter buffer too small for its 2 blocks of rows is refused."""
+    args = two_experts([[1, 0]], [[0.75, 0.25]], seed=60)
+    base = dict(up_once=True, up_block_n=32, up_groups=2, down_block_n=256)  # no gate/up counters
+    counters = mmvq_counters(2, FF, DEVICE, h=H2, top_k=2)
+    one = fused_moe(*args, method="mmvq", counters=counters,
+                    mmvq_cfg=MoeMmvqConfig(**base, down_experts=1))  # fmt: skip
+    split = MoeMmvqConfig(**base, down_split=2)
+    two = fused_moe(*args, method="mmvq", mmvq_cfg=split, counters=counters)
+    assert torch.equal(two, one) and not counters.any()
+    assert rel_err(two, moe_mmvq_ref(*args)) < 2e-3
+    gate, up, down, slot = args[3:]
+    copies = [[w.data[e].clone() for e in (1, 0)] for w in (gate, up, down)]  # expert order
+    addr = torch.tensor(
+        [[c.data_ptr() for c in kind] for kind in copies], dtype=torch.int64, device=DEVICE
+    )  # [3, E]
+    by_addr = fused_moe(*args[:6], None, method="mmvq", mmvq_cfg=split, expert_addr=addr,
+                        counters=counters)  # fmt: skip
+    assert torch.equal(by_addr, two) and not counters.any()
+    with pytest.raises(ValueError, match="counters"):
+        fused_moe(*args, method="mmvq", mmvq_cfg=split, counters=arrival_counters(1, DEVICE))
+
+
 def test_moe_mmvq_config_rejects_bad_shapes():
     with pytest.raises(ValueError, match="up_split"):
         MoeMmvqConfig(up_split=3)
@@ -429,3 +456,5 @@ def test_moe_mmvq_config_rejects_bad_shapes():
         MoeMmvqConfig(down_warps=3)
     with pytest.raises(ValueError, match="up_block_n"):
         MoeMmvqConfig(up_block_n=64)
+    with pytest.raises(ValueError, match="down_split"):
+        MoeMmvqConfig(down_split=3)
