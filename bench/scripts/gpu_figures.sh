@@ -112,6 +112,7 @@
 #   bench/scripts/gpu_figures.sh s10h    30B decode with smaller MoE decode programs, A/B
 #   bench/scripts/gpu_figures.sh s10i    MoE gate/up rows a program A/B; 30B figures
 #   bench/scripts/gpu_figures.sh s11a    MoE down: expert split and warps, GPU tests and A/B
+#   bench/scripts/gpu_figures.sh s11b    llama.cpp (built for sm_90) and moestream side by side
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -836,6 +837,26 @@ PY
     synth qwen3-30b-a3b q30
     moe_ab base1= s2="down_split=2" s4="down_split=4" s8="down_split=8" w2="down_warps=2" \
       w1="down_warps=1" base2=
+    ;;
+  s11b)  # issue #4's figures side by side in one call: llama.cpp's llama-bench, built here for
+    # sm_90 from .llama/src (the llama-cpp-python sdist's vendor/llama.cpp), then moestream's
+    # bench, on the same synth files, one after the other (the build overlaps only the synth).
+    # Run from the checkout itself (with .snap, .whl and .llama/src the tree passes 64 MiB):
+    # carry .llama/src and the gguf wheel alone.
+    (timeout 420 bash bench/scripts/build_llamacpp.sh .llama/src /tmp/llama 90 llama-bench \
+      > /tmp/r/build.out 2>&1; echo "[build rc=$?]" >> /tmp/r/build.out) &
+    synth qwen3-30b-a3b q30; synth qwen3-8b q8
+    wait; tail -3 /tmp/r/build.out
+    for m in q30 q8; do
+      timeout 100 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 512,4096 -n 0 \
+        -r 3 -o md
+      timeout 150 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 0 -n 128 \
+        -d 0,32768 -r 3 -o md
+    done 2>&1 | grep -v "^ggml_\|^  Device\|^load" | tee "$out/llama_bench.md"
+    bench q30 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+    bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
+      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
