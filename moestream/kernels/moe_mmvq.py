@@ -437,7 +437,8 @@ def _down_mmvq_kernel(
 # both MoE decode kernels under half a wave at T = 1 (768 gate/up programs, 14 us at 21% of DRAM
 # throughput), and the 30B's batch-1 decode ran +2.8% with 4 rows (twice the programs), +4.5%
 # more with one warp each (456-457 -> 469-470 -> 490-493 tok/s; 8 requests unchanged), while
-# halving the down kernel's rows lost 8%. Warps and rows per program leave the bits as they are.
+# halving the down kernel's rows lost 8%. Warps and rows per program leave a row's arithmetic
+# as it is (tests: rows under the interpreter; the dense once kernel's warps on the H200).
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
