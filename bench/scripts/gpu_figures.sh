@@ -113,6 +113,7 @@
 #   bench/scripts/gpu_figures.sh s10i    MoE gate/up rows a program A/B; 30B figures
 #   bench/scripts/gpu_figures.sh s11a    MoE down: expert split and warps, GPU tests and A/B
 #   bench/scripts/gpu_figures.sh s11b    llama.cpp (built for sm_90) and moestream side by side
+#   bench/scripts/gpu_figures.sh s11c    batched MoE (grouped) gate/up warps and rows, A/B at 16-32
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -190,15 +191,17 @@ onoff_ab() {  # onoff_ab WHAT PRELUDE: ab_decode's arms off1, on1, on2, off2 (32
     AB_TOKENS=32 ab_decode "$1" "$arm" "$([[ $arm == off* ]] && echo "$2")" 100
   done
 }
-moe_ab() {  # moe_ab NAME=FIELDS...: the 30B's decode (ab_decode, 32 tokens) per arm in turn,
-  # FIELDS replacing those of moe_mmvq.DEFAULT_CONFIG (none: the default)
-  local cfg='import dataclasses, moestream.kernels.moe_mmvq as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG'
-  local arm pre
+cfg_ab() {  # cfg_ab MODULE NAME=FIELDS...: the 30B's decode (ab_decode, 32 tokens) per arm in
+  # turn, FIELDS replacing those of moestream.kernels.MODULE.DEFAULT_CONFIG (none: the default)
+  local cfg="import dataclasses, moestream.kernels.$1 as m; m.DEFAULT_CONFIG = dataclasses.replace(m.DEFAULT_CONFIG"
+  local what=$1 arm pre
+  shift
   for arm in "$@"; do
     pre=""; [[ -n ${arm#*=} ]] && pre="$cfg, ${arm#*=}); "
-    AB_TOKENS=32 ab_decode moe "${arm%%=*}" "$pre" 100
+    AB_TOKENS=32 ab_decode "$what" "${arm%%=*}" "$pre" 100
   done
 }
+moe_ab() { cfg_ab moe_mmvq "$@"; }  # moe_ab NAME=FIELDS...: cfg_ab on the MoE mmvq path
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
@@ -857,6 +860,13 @@ PY
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3
     bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
       --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+    ;;
+  s11c)  # the batched MoE path (grouped, 16-64 tokens) with this session's lesson from the mmvq
+    # gate/up (more programs of one warp): the 30B at 16 and 32 requests, in turn with the
+    # default
+    synth qwen3-30b-a3b q30
+    AB_CONC=16,32 cfg_ab moe_grouped base1= w1="up_warps=1" r4w1="up_block_n=4, up_warps=1" \
+      r4="up_block_n=4" base2=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
