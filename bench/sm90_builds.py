@@ -4,6 +4,7 @@ variant (warps, pipeline stages, BLOCK_N, BLOCK_M, register cap).
 
 Usage (repository root; no GPU needed, the Triton wheel's own ptxas compiles):
     python bench/sm90_builds.py [--quick] [--jobs N]
+    python bench/sm90_builds.py --decode    # the decode-sized MoE kernels (below) instead
 
 Each variant of `moe_mmq._moe_gate_up_kernel` and `moe_mmq._moe_down_kernel` at the
 Qwen3-30B-A3B shapes (H = 2048: 8 groups of 256, F = 768, top-8; gate/up Q4_K, down Q6_K and
@@ -17,6 +18,11 @@ on an H200 (sm_90): 64 K registers in 4 quarters that each hold whole warps (reg
 allocated 256 per warp), 228 KiB shared memory with 1 KiB reserved per block, 32 blocks, 64
 warps. "maxnreg" is Triton's launch option (`.maxnreg` in the PTX): ptxas spills
 what does not fit, and may use up to the cap where it uses fewer without one.
+
+`--decode`: the "mmvq" path's down kernel (`moe_mmvq._down_mmvq_kernel`, padded Q6_K, 4 rows;
+BM = its expert split) and the grouped path's gate/up (`moe_grouped._gate_up_grouped_kernel`,
+Q4_K; BM = assignments a block) over warps and rows, as `bench/scripts/gpu_figures.sh` s11a
+and s11c compare them on the GPU.
 """
 
 from __future__ import annotations
@@ -113,13 +119,30 @@ def _load_widths(ptx: str) -> Counter:
     return widths
 
 
-def build(v: Variant) -> Build:
-    """Compile one variant for sm_90 (fresh, so that ptxas runs and reports)."""
+def compile_sm90(kernel, constexprs: dict, pointers: dict, aligned: set, options: dict):
+    """(compiled kernel, ptxas log) of `kernel` built fresh for sm_90 (so that ptxas runs and
+    reports), as a launch with aligned tensors specializes it: `pointers` (name -> type) and the
+    integer arguments in `aligned` carry `tt.divisibility` 16."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in pointers or n in aligned}  # fmt: skip
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    knobs.compilation.always_compile = True  # a cached build skips ptxas and its report
+    knobs.nvidia.dump_ptxas_log = True  # printed to stdout
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, log.getvalue()
+
+
+def build(v: Variant) -> Build:
+    """Compile one variant for sm_90."""
     from moestream.kernels import moe_mmq
 
     if v.kernel == "gate_up":
@@ -130,24 +153,60 @@ def build(v: Variant) -> Build:
         constexprs = dict(F=F, QD=v.qtype)
     constexprs.update(BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True)
     aligned = ALIGNED | ({"stride_dn"} if v.qtype == Q4_K else set())  # Q6_K rows: 630 B
-    names = kernel.arg_names
-    sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in POINTERS or n in aligned}  # fmt: skip
-    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
     if v.maxnreg is not None:
         options["maxnreg"] = v.maxnreg
-    knobs.compilation.always_compile = True  # a cached build skips ptxas and its report
-    knobs.nvidia.dump_ptxas_log = True  # printed to stdout
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled, log = compile_sm90(kernel, constexprs, POINTERS, aligned, options)
     ptx = compiled.asm["ptx"]
     copies = Counter(int(size, 0) for size in CP_ASYNC_SIZE.findall(ptx))
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync"
-    regs, stores, loads = _ptxas_report(log.getvalue())
+    regs, stores, loads = _ptxas_report(log)
     return Build(v, mma, regs, stores, loads, compiled.metadata.shared, copies, _load_widths(ptx))
+
+
+# The decode-sized MoE kernels (`--decode`): the "mmvq" path's down kernel (padded Q6_K, its
+# rows tile; block_m = the expert split) and the grouped path's gate/up (Q4_K; block_m =
+# assignments a block), over the launch shapes `gpu_figures.sh` s11a and s11c compare.
+DECODE_POINTERS = {
+    "hq_ptr": "*i32", "hd_ptr": "*fp32", "hs_ptr": "*fp32", "ids_ptr": "*i32",
+    "weights_ptr": "*fp32", "slot_ptr": "*i32", "d_ptr": "*u8", "out_ptr": "*bf16",
+    "addr_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "xq_ptr": "*i32",
+    "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+    "g_ptr": "*u8", "u_ptr": "*u8", "h_ptr": "*fp32",
+}  # fmt: skip
+DECODE_ALIGNED = {"H", "stride_de", "stride_dn", "stride_ot", "stride_xq", "stride_ge",
+                  "stride_gn", "stride_ue", "stride_un"}  # fmt: skip
+
+
+def decode_variants() -> list[Variant]:
+    """(kernel, block_m, rows, warps): the mmvq down at splits 1/2/4 and 1/2/4 warps; the grouped
+    gate/up at 2 and 4 assignments a block, 4 and 8 rows, 1 and 2 warps."""
+    down = [Variant("mmvq_down", Q6_K, s, 4, w, 1, None) for s in (1, 2, 4) for w in (4, 2, 1)]
+    up = [Variant("grouped_gate_up", Q4_K, m, n, w, 1, None)
+          for m in (2, 4) for n in (8, 4) for w in (2, 1)]  # fmt: skip
+    return down + up
+
+
+def build_decode(v: Variant) -> Build:
+    """Compile one decode variant for sm_90."""
+    from moestream.kernels import moe_grouped, moe_mmvq
+    from moestream.kernels._triton_dequant import Q6_KP
+
+    if v.kernel == "mmvq_down":
+        kernel = moe_mmvq._down_mmvq_kernel
+        constexprs = dict(QD=Q6_KP, F=F, TOPK=TOPK, BLOCK_N=v.block_n, G=4,
+                          CHUNK=TOPK // v.block_m, SPLIT=v.block_m, TREE=False, ROWS=True,
+                          ADDR=False, ASM=True, PDL=False)  # fmt: skip
+    else:
+        kernel = moe_grouped._gate_up_grouped_kernel
+        constexprs = dict(F=F, QG=v.qtype, QU=v.qtype, H_GROUPS=H_GROUPS, TOPK=TOPK, G=8,
+                          BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True, PDL=False)  # fmt: skip
+    options = {"num_warps": v.num_warps}
+    compiled, log = compile_sm90(kernel, constexprs, DECODE_POINTERS, DECODE_ALIGNED, options)
+    regs, stores, loads = _ptxas_report(log)
+    ptx = compiled.asm["ptx"]
+    return Build(v, "-", regs, stores, loads, compiled.metadata.shared, Counter(),
+                 _load_widths(ptx))  # fmt: skip
 
 
 def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
@@ -160,7 +219,7 @@ def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
 
 def _try_build(v: Variant) -> Build | str:
     try:
-        return build(v)
+        return build(v) if v.kernel in ("gate_up", "down") else build_decode(v)
     except Exception as exc:  # a variant the compiler rejects: one row says why
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}"
 
@@ -184,13 +243,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 variants per kernel, not 100")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="parallel builds")
+    parser.add_argument(
+        "--decode", action="store_true", help="the decode-sized MoE kernels' shapes instead"
+    )
     args = parser.parse_args()
     # The interpreter (TRITON_INTERPRET=1, as the CPU tests set it) cannot compile; the builds
     # run in children that inherit this environment and import triton after it is cleared.
     os.environ.pop("TRITON_INTERPRET", None)
     import triton
 
-    todo = variants(args.quick)
+    todo = decode_variants() if args.decode else variants(args.quick)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         builds = list(pool.map(_try_build, todo))
     command = " ".join(["python", *sys.argv])

@@ -863,12 +863,12 @@ PY
     ;;
   s11c)  # the batched MoE path (grouped, 16-64 tokens) with this session's lesson from the mmvq
     # gate/up (more programs of one warp): the 30B at 16 and 32 requests, in turn with the
-    # default. sm_90 builds (2 assignments a block): 8 rows / 2 warps 128 registers, 4 / 1
-    # 199, 4 / 2 80, none spilling; 8 rows / 1 warp spills (160 bytes), and 4 / 1 does at 4
-    # assignments a block (700 bytes: T > 40), so one warp could only serve 2 a block.
+    # default. sm_90 builds (`python bench/sm90_builds.py --decode`), 2 assignments a block
+    # (T <= 40): 8 rows / 2 warps 114 registers, 8 / 1 168, 4 / 2 78, 4 / 1 102, none spilling;
+    # at 4 a block 8 rows / 1 warp spills (1,160 bytes), the others do not.
     synth qwen3-30b-a3b q30
-    AB_CONC=16,32 cfg_ab moe_grouped base1= r4w1="up_block_n=4, up_warps=1" r4="up_block_n=4" \
-      base2=
+    AB_CONC=16,32 cfg_ab moe_grouped base1= w1="up_warps=1" r4w1="up_block_n=4, up_warps=1" \
+      r4="up_block_n=4" base2=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -70,7 +70,9 @@ def vector_loads(kernel: str, constexprs: dict, num_warps: int) -> int:
 # either way).
 GATE_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=1, SPLIT=4, FUSED=True, TREE=False)
 GATE_UP.update(ASM=True, PDL=True)
-DOWN = dict(QD=12, F=768, TOPK=8, BLOCK_N=4, G=4, CHUNK=8, TREE=False, ROWS=False, ASM=True)
+DOWN = dict(
+    QD=12, F=768, TOPK=8, BLOCK_N=4, G=4, CHUNK=8, SPLIT=1, TREE=False, ROWS=False, ASM=True
+)
 DOWN["PDL"] = True
 
 
