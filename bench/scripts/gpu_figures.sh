@@ -114,6 +114,7 @@
 #   bench/scripts/gpu_figures.sh s11a    MoE down: expert split and warps, GPU tests and A/B
 #   bench/scripts/gpu_figures.sh s11b    llama.cpp (built for sm_90) and moestream side by side
 #   bench/scripts/gpu_figures.sh s11c    batched MoE (grouped) gate/up warps and rows, A/B at 16-32
+#   bench/scripts/gpu_figures.sh s11d    one-warp dense GEMV from K = 2048, A/B on the 30B
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -869,6 +870,14 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped base1= w1="up_warps=1" r4w1="up_block_n=4, up_warps=1" \
       r4="up_block_n=4" base2=
+    ;;
+  s11d)  # one warp for the dense "once" GEMV at M = 1 from K = 2048 (8 groups: the 30B's q/k/v)
+    # against the default (from K = 4096), in turn
+    synth qwen3-30b-a3b q30
+    k2='import moestream.kernels.mmvq as m; m.ONE_WARP_MIN_GROUPS = 8; '
+    for arm in base1 k2a k2b base2; do
+      AB_TOKENS=32 ab_decode w1k2 "$arm" "$([[ $arm == k2* ]] && echo "$k2")" 100
+    done
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -538,8 +538,10 @@ def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 32) -
 # 6.4, gate/up 24576 x 4096 19.9 / 21.8 (67% of copy bandwidth), down 4096 x 12288 (4 rows, 16
 # groups a step) 12.7 / 14.1. At M = 1 only: the sm_90 builds of one warp spill from M = 2
 # (16 groups a step) or M = 8 (8 groups). Warps and rows per program do not change a row's
-# arithmetic, so the bits stay those of the other M. Off only to compare.
+# arithmetic, so the bits stay those of the other M. Off only to compare. The 30B's K = 2048
+# matrices (8 groups) were not measured with one warp: `ONE_WARP_MIN_GROUPS` is where it starts.
 LONG_K_ONE_WARP = True
+ONE_WARP_MIN_GROUPS = 16
 
 
 def mmvq_config(
@@ -584,7 +586,7 @@ def mmvq_config(
         # holds 16 groups or more (`LONG_K_ONE_WARP`).
         if n >= 1 << 16 and split_k == 1:
             return MmvqConfig(16, 1, 1 << (min(groups, 8).bit_length() - 1), 4, "once")
-        long_k = LONG_K_ONE_WARP and m_block == 1 and groups // split_k >= 16
+        long_k = LONG_K_ONE_WARP and m_block == 1 and groups // split_k >= ONE_WARP_MIN_GROUPS
         if groups // split_k >= 32:
             return (
                 MmvqConfig(4, split_k, 16, 1, "once")
