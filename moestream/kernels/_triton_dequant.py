@@ -47,7 +47,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType
 
 from moestream.weights.dequant_blocks import FP4_E2M1_X2_VALUES, IQ4_NL_VALUES
-from moestream.weights.qtensor import QTensor
+from moestream.weights.qtensor import PADDED_BLOCK_BYTES, QTensor
 
 # GGML type ids (constexpr so @jit code can compare against them).
 Q4_0 = tl.constexpr(2)
@@ -61,8 +61,9 @@ Q4_K = tl.constexpr(12)
 Q5_K = tl.constexpr(13)
 Q6_K = tl.constexpr(14)
 # Kernel type id of Q6_K in the padded layout (`QTensor.aligned`: 224-byte blocks, every
-# section 16-byte aligned); `kernel_qtype` gives it. Not a GGML type.
+# section 16-byte aligned); `kernel_qtype` gives it. Not a GGML type. Q6_KP_BYTES: its block.
 Q6_KP = tl.constexpr(270)
+Q6_KP_BYTES = tl.constexpr(PADDED_BLOCK_BYTES[GGMLQuantizationType.Q6_K])
 IQ4_NL = tl.constexpr(20)
 IQ4_XS = tl.constexpr(23)
 MXFP4 = tl.constexpr(39)
@@ -399,7 +400,7 @@ def unpack_superblock(rows, sb, magic, QTYPE: tl.constexpr):
     elif QTYPE == Q6_K:
         out = _q6_k(rows, sb, magic, 210)
     elif QTYPE == Q6_KP:
-        out = _q6_k(rows, sb, magic, 224)
+        out = _q6_k(rows, sb, magic, Q6_KP_BYTES)
     elif QTYPE == Q8_0:
         out = _q8_0(rows, sb, magic)
     elif QTYPE == Q2_K:

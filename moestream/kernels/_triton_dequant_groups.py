@@ -44,6 +44,7 @@ from moestream.kernels._triton_dequant import (
     Q5_K,
     Q6_K,
     Q6_KP,
+    Q6_KP_BYTES,
     Q8_0,
     _e8m0_half,
     _f16,
@@ -299,7 +300,7 @@ def dequant_groups(rows, sb, magic, QTYPE: tl.constexpr):
     elif QTYPE == Q6_K:
         out = _q6_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 210, magic)
     elif QTYPE == Q6_KP:
-        out = _q6_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * 224, magic)
+        out = _q6_k_groups(rows[:, None, None, None] + sb[None, :, None, None] * Q6_KP_BYTES, magic)
     elif QTYPE == Q8_0:
         out = _q8_0_groups(rows[:, None, None, None] + sb[None, :, None, None] * 272, magic)
     elif QTYPE == Q2_K:

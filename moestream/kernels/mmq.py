@@ -36,6 +36,7 @@ import triton.language as tl
 
 from moestream.kernels._triton_dequant import (
     Q6_KP,
+    Q6_KP_BYTES,
     kernel_qtype,
     num_sms,
     reduce_split_k,
@@ -245,7 +246,7 @@ def mmq_tile(w_rows, x_rows, xd_rows, xs_rows, g_lo, GROUPS: tl.constexpr, QTYPE
     pointers to d/s) over groups g_lo .. g_lo + GROUPS - 1, summed in order."""
     GB: tl.constexpr = (
         272 if QTYPE == Q8_0 else 144 if QTYPE == Q4_K else 176 if QTYPE == Q5_K
-        else 224 if QTYPE == Q6_KP else 210
+        else Q6_KP_BYTES if QTYPE == Q6_KP else 210
     )  # fmt: skip
     j = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)

@@ -52,6 +52,7 @@ from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import (
     Q6_KP,
+    Q6_KP_BYTES,
     check_weight,
     kernel_qtype,
     num_sms,
@@ -292,7 +293,7 @@ def q6_k_fields(rows, sb, n, t, w, ok, PADDED: tl.constexpr):
     halves and bytes; padded ones (224 bytes, `QTensor.aligned`) as 32-bit words and one 8-byte
     load of scales 8n .. 8n + 7."""
     if PADDED:
-        base = rows + sb * 224
+        base = rows + sb * Q6_KP_BYTES
         p = base.to(tl.pointer_type(tl.int32))
         ql = tl.load(p + 16 * n + 8 * t + w, mask=ok, other=0)  # byte 64n + 32t + 4w
         qh = tl.load(p + 32 + 8 * n + w, mask=ok, other=0)  # byte 128 + 32n + 4w

@@ -24,7 +24,15 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from moestream.kernels._triton_dequant import IQ4_NL, IQ4_XS, MXFP4, Q4_0, Q6_KP, kernel_qtype
+from moestream.kernels._triton_dequant import (
+    IQ4_NL,
+    IQ4_XS,
+    MXFP4,
+    Q4_0,
+    Q6_KP,
+    Q6_KP_BYTES,
+    kernel_qtype,
+)
 from moestream.kernels.mmvq import (
     Q4_K,
     Q5_K,
@@ -101,7 +109,7 @@ def _once_q6_k(rows, sb, c, ok, h, jw, x0, x1, xd0, xd1, PADDED: tl.constexpr,
     n = c // 2
     t = c % 2
     if PADDED:
-        base = rows + sb * 224  # [R, 1, 1, 1]
+        base = rows + sb * Q6_KP_BYTES  # [R, 1, 1, 1]
         p = base.to(tl.pointer_type(tl.int32))
         ql = tl.load(p + 16 * n + 8 * t + w, mask=okw, other=0)  # [R, 2, 1, 4]
         qh = tl.load(p + 32 + 8 * n + w, mask=okw, other=0)

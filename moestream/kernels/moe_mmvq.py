@@ -417,16 +417,15 @@ def _down_mmvq_kernel(
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
             else:
                 y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
-    if SPLIT > 1:
+    if SPLIT > 1:  # the last of the SPLIT programs to arrive adds their partials in order
         parts = part_ptr + t * SPLIT * H + n  # [BN] of split 0
         tl.store(parts + tl.program_id(2) * H, y, mask=n < H)
-        if last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
-            y = tl.zeros([BLOCK_N], tl.float32)
-            for j in tl.static_range(SPLIT):
-                y += tl.load(parts + j * H, mask=n < H, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
-    else:
-        tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+        if not last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), SPLIT):
+            return
+        y = tl.zeros([BLOCK_N], tl.float32)
+        for j in tl.static_range(SPLIT):
+            y += tl.load(parts + j * H, mask=n < H, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
 # The launch shape `moe.fused_moe` takes when given none: gate/up by the "once" kernel, 4 rows a
@@ -488,11 +487,11 @@ def mmvq_counters(
     return arrival_counters(max(assignments * (f // 32), assignments // top_k * h), device)
 
 
-def _arrivals(counters: torch.Tensor | None, a: int, f: int, device: torch.device) -> torch.Tensor:
-    """The gate/up epilogue's arrival counters: the caller's, checked, or fresh ones."""
+def _arrivals(counters: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """n arrival counters for a kernel's epilogue: the caller's, checked, or fresh ones."""
     if counters is None:
-        counters = mmvq_counters(a, f, device)
-    check_counters(counters, a * (f // 32), device)
+        counters = arrival_counters(n, device)
+    check_counters(counters, n, device)
     return counters
 
 
@@ -556,7 +555,7 @@ def fused_moe_mmvq(
         hf = count = hd  # unused pointers when a program writes whole q8 blocks
         if block_n < 32:
             hf = torch.empty((a, f), dtype=torch.float32, device=x.device)
-            count = _arrivals(counters, a, f, x.device)
+            count = _arrivals(counters, a * (f // 32), x.device)
         groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
         _gate_up_once_kernel[(a, f // block_n)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
@@ -571,7 +570,7 @@ def fused_moe_mmvq(
         part = count = hd  # unused pointers without a split
         if split > 1:
             part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
-            count = _arrivals(counters, a, f, x.device)
+            count = _arrivals(counters, a * (f // 32), x.device)
         _gate_up_mmvq_kernel[(a, f // 32, split)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
@@ -586,10 +585,7 @@ def fused_moe_mmvq(
     part = count = hd  # unused pointers without a split
     if split > 1:
         part = torch.empty((t, split, h), dtype=torch.float32, device=x.device)
-        if counters is None:
-            counters = arrival_counters(t * blocks, x.device)
-        check_counters(counters, t * blocks, x.device)
-        count = counters
+        count = _arrivals(counters, t * blocks, x.device)
     _down_mmvq_kernel[(t, blocks, split)](
         hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr, part, count,
         n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),

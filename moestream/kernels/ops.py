@@ -483,7 +483,7 @@ def embedding_ref(ids: torch.Tensor, w: QTensor) -> torch.Tensor:
 
     if w.is_float:
         return w.data[ids].float()
-    rows = QTensor(w.data[ids], w.qtype, (ids.numel(), w.shape[-1]), padded=w.padded).native()
+    rows = w.with_data(w.data[ids], (ids.numel(), w.shape[-1])).native()
     return dequantize(rows, w.qtype, (ids.numel(), w.shape[-1]))
 
 

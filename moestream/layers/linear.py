@@ -71,7 +71,7 @@ def _row_slices(w: QTensor, rows: int) -> Iterator[QTensor]:
     """W [N, K] as consecutive slices of `rows` output rows (views of its blocks)."""
     n, k = w.shape
     for i in range(0, n, rows):
-        yield QTensor(w.data[i : i + rows], w.qtype, (min(rows, n - i), k), padded=w.padded)
+        yield w.with_data(w.data[i : i + rows], (min(rows, n - i), k))
 
 
 def device_path(x: torch.Tensor) -> bool:
@@ -193,7 +193,7 @@ def fuse_linears(parts: Sequence[Linear]) -> list[tuple[Linear | PairedLinear, l
             continue
         w = group[0].weight
         data = torch.cat([p.weight.data for p in group], dim=0)
-        merged = Linear(QTensor(data, w.qtype, (sum(sizes), w.shape[1]), padded=w.padded))
+        merged = Linear(w.with_data(data, (sum(sizes), w.shape[1])))
         if group[0].bias is not None:
             merged.bias = torch.cat([p.bias for p in group])  # type: ignore[misc]
         fused.append((merged, sizes))

@@ -42,13 +42,9 @@ def stack_rows(a: QTensor, b: QTensor) -> tuple[QTensor, QTensor, QTensor]:
     if a.padded != b.padded:
         raise ValueError("stack_rows: one weight padded, the other not")
     data = torch.cat([a.data, b.data])  # quantized rows are independent: stack the bytes
-    both = QTensor(data, a.qtype, (a.shape[0] + b.shape[0], a.shape[1]), padded=a.padded)
     n = a.shape[0]
-    return (
-        both,
-        QTensor(data[:n], a.qtype, a.shape, padded=a.padded),
-        QTensor(data[n:], b.qtype, b.shape, padded=b.padded),
-    )
+    both = a.with_data(data, (n + b.shape[0], a.shape[1]))
+    return both, a.with_data(data[:n], a.shape), b.with_data(data[n:], b.shape)
 
 
 class GatedMLP:

@@ -13,6 +13,7 @@ layout; `dequantize` and every kernel read both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,9 +95,14 @@ class QTensor:
             return PADDED_BLOCK_BYTES[self.qtype]
         return block_shape(self.qtype)[1]
 
+    def with_data(self, data: torch.Tensor, shape: Sequence[int]) -> QTensor:
+        """A QTensor of this one's type and block layout (`padded`) over `data`, rows cut from
+        or stacked with its own, of logical `shape`."""
+        return QTensor(data, self.qtype, tuple(shape), padded=self.padded)
+
     def to(self, device: torch.device | str, aligned: bool = False) -> QTensor:
         """A copy on `device`; with `aligned`, in the padded layout where the type has one."""
-        out = QTensor(self.data.to(device), self.qtype, self.shape, padded=self.padded)
+        out = self.with_data(self.data.to(device), self.shape)
         return out.aligned() if aligned else out
 
     def aligned(self) -> QTensor:
