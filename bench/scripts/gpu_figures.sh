@@ -844,23 +844,27 @@ PY
     ;;
   s11b)  # issue #4's figures side by side in one call: llama.cpp's llama-bench, built here for
     # sm_90 from .llama/src (the llama-cpp-python sdist's vendor/llama.cpp), then moestream's
-    # bench, on the same synth files, one after the other (the build overlaps only the synth).
+    # bench, on the same synth files, model by model (the build overlaps only the synth).
     # Run from the checkout itself (with .snap, .whl and .llama/src the tree passes 64 MiB):
     # carry .llama/src and the gguf wheel alone.
-    (timeout 420 bash bench/scripts/build_llamacpp.sh .llama/src /tmp/llama 90 llama-bench \
-      > /tmp/r/build.out 2>&1; echo "[build rc=$?]" >> /tmp/r/build.out) &
+    date +"%T build"
+    (timeout 400 bash bench/scripts/build_llamacpp.sh .llama/src /tmp/llama 90 \
+      "llama-bench llama-batched-bench" > /tmp/r/build.out 2>&1
+      echo "[build rc=$?]" >> /tmp/r/build.out) &
     synth qwen3-30b-a3b q30; synth qwen3-8b q8
-    wait; tail -3 /tmp/r/build.out
+    wait; tail -3 /tmp/r/build.out; date +%T
     for m in q30 q8; do
-      timeout 100 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 512,4096 -n 0 \
-        -r 3 -o md
-      timeout 150 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 0 -n 128 \
-        -d 0,32768 -r 3 -o md
-    done 2>&1 | grep -v "^ggml_\|^  Device\|^load" | tee "$out/llama_bench.md"
-    bench q30 150 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
-      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
-    bench q8 100 /tmp/q8.gguf --device cuda --kv-cache-gib 16 --prompt-lens 512,4096 \
-      --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+      { timeout 80 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 512,4096 \
+          -n 0 -r 3 -o md
+        timeout 100 /tmp/llama/out/bin/llama-bench -m /tmp/$m.gguf -ngl 99 -fa 1 -p 0 -n 128 \
+          -d 0,32768 -r 3 -o md; } 2>&1 | grep -v "^ggml_\|^  Device\|^load" \
+        | tee "$out/llama_bench_$m.md"
+      date +%T
+      if [[ $m == q30 ]]; then kv=24; lim=150; else kv=16; lim=110; fi
+      bench $m $lim /tmp/$m.gguf --device cuda --kv-cache-gib $kv --prompt-lens 512,4096 \
+        --decode-depths 0,32768 --decode-tokens 32 --repeats 3
+      date +%T
+    done
     ;;
   s11c)  # the batched MoE path (grouped, 16-64 tokens) with this session's lesson from the mmvq
     # gate/up (more programs of one warp): the 30B at 16 and 32 requests, in turn with the
