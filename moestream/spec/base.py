@@ -50,7 +50,8 @@ class SpecConfig:
     speculation to plain decode. `ema_alpha`: weight of a new acceptance observation.
     `idle_budget`: share of the step time that proposal rounds drafting nothing may cost in
     host work (proposers, picker): while rounds draft nothing, whole rounds are skipped, more
-    and more, up to what stays within it (`Speculator.draft`; 0: never skip).
+    and more, up to what stays within it (`Speculator.draft`; 0: never skip). A lower budget
+    costs a request that starts copying late more steps before its first drafts.
     `always`: skip the picker and draft as many tokens as the first proposer with a proposal
     gives (up to max_k) at every decode step (no round is skipped, no step queued ahead): for
     tests and acceptance measurements (tau and acceptance by position at a fixed k), not for
@@ -67,7 +68,7 @@ class SpecConfig:
     explore_budget: float = 0.01
     min_gain: float = 0.03
     ema_alpha: float = 0.2
-    idle_budget: float = 0.005
+    idle_budget: float = 0.001
     always: bool = False
 
     def __post_init__(self) -> None:

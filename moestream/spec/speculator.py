@@ -20,7 +20,8 @@ from moestream.types import Request, StepPlan
 # how long a request that starts to repeat itself waits for its first n-gram drafts (128 steps:
 # ~30 ms on a 0.23 ms step; a larger model's longer steps reach `SpecConfig.idle_budget` with
 # fewer skips). At 64 the cap, not the budget, bounded a tiny model's rounds on the H200: a
-# round of ~130 us within 0.5% of a 0.23 ms step asks for ~110 skips.
+# round of ~130 us within 0.5% of a 0.23 ms step asked for ~110 skips. (The budget is 0.1% now
+# that a round no longer indexes the skipped tokens: ~8-10 us on the CPU instead of ~18.)
 IDLE_MAX_SKIP = 128
 # Rounds skipped in a row while every proposer is a priced-out model arm (`Picker.priced_out`:
 # no draft could pay even if all were accepted), new requests included: only the costs can
@@ -78,7 +79,7 @@ class Speculator:
             min_gain=config.min_gain,
             ema_alpha=config.ema_alpha,
         )
-        self.stats = SpecStats()
+        self._stats = SpecStats()  # (`stats`: with the skipped steps not yet counted)
         self._pending: dict[str, Choice] = {}  # drafts handed out, awaiting verification
         self._probs: dict[str, Any] = {}
         self.draft_forward_seconds = 0.0  # draft-model forwards of the last `propose`
@@ -88,6 +89,7 @@ class Speculator:
         self._round_host = 0.0  # host seconds of rounds not yet charged to a timed step
         self._idle_steps = 0  # steps of skipped rounds not yet handed to the picker...
         self._idle_seconds = 0.0  # ... and their seconds
+        self._idle_counted = 0  # ... of which counted as plain request-steps (`_count_idle`)
         # Shadow drafts (`_shadow_check`): request id -> [(arm, its output list, output length
         # at the proposal, proposed tokens)]
         self._shadows: dict[str, list[tuple[str, Sequence[int], int, list[int]]]] = {}
@@ -137,6 +139,20 @@ class Speculator:
                 )
         return cls(config, proposers)
 
+    @property
+    def stats(self) -> SpecStats:
+        """The counters (verify steps per proposer, plain request-steps), up to date."""
+        self._count_idle()
+        return self._stats
+
+    def _count_idle(self) -> None:
+        """Count the skipped steps since the last count as plain decode of the last round's
+        requests (`skip` leaves it until the counters are read or that round size changes)."""
+        steps = self._idle_steps - self._idle_counted
+        if steps > 0:
+            self._stats.num_plain_steps += steps * self._round_size
+        self._idle_counted = self._idle_steps
+
     # ---- proposing -------------------------------------------------------------------------
     @property
     def run_ahead(self) -> bool:
@@ -165,22 +181,27 @@ class Speculator:
     def skip(self, seconds: float) -> None:
         """A step whose round was skipped (`skips`) took `seconds`. Its time is summed with
         the other skipped rounds' steps: they reach the picker as one mean step at the next
-        round (`end_idle`)."""
+        round (`end_idle`). Three counters, nothing else: the rest (the host time of the
+        round before them, the plain steps' count) is settled once per stretch."""
         self._skip -= 1
         self._idle_steps += 1
-        self._idle_seconds += seconds + self._round_host
-        self._round_host = 0.0
-        self.stats.num_plain_steps += self._round_size
+        self._idle_seconds += seconds
 
     def end_idle(self, timed: bool = True) -> None:
         """Hand the picker the mean of the steps since the last round (`skip`) as one plain
-        decode step that ran ahead. `timed` False: some of them captured a CUDA graph; they
-        are dropped. Call before the next round's `record_step_time` and `draft`."""
-        if self._idle_steps and timed:
-            mean = self._idle_seconds / self._idle_steps
+        decode step that ran ahead, the host work of the round before them included (as
+        `record_step_time` includes it). `timed` False: some of them captured a CUDA graph;
+        they are dropped. Call before the next round's `record_step_time` and `draft`."""
+        if not self._idle_steps:
+            return
+        self._count_idle()
+        if timed:
+            seconds = self._idle_seconds + self._round_host
+            mean = seconds / self._idle_steps
             self.picker.record_step_time(self._round_size, mean, ahead=True)
-            self.picker.time_measured += self._idle_seconds - mean  # all of them ran
-        self._idle_steps = 0
+            self.picker.time_measured += seconds - mean  # all of them ran
+        self._round_host = 0.0
+        self._idle_steps = self._idle_counted = 0
         self._idle_seconds = 0.0
 
     def draft(
@@ -202,8 +223,8 @@ class Speculator:
         min(2^(n - IDLE_AFTER) - 1, IDLE_MAX_SKIP) rounds propose nothing, but no more than
         keeps a round's host work h within `SpecConfig.idle_budget` of the plain step time t:
         ceil(h / (idle_budget * t)) - 1. (h includes the proposers catching up on the tokens
-        since the last round, which grows with the rounds skipped: in a long idle stretch on
-        a small model the skips reach the cap.) A request that stops copying for a token or two (a
+        since the last round: the n-gram index scans rather than indexes them while its
+        lookups are rare, `NgramIndex`.) A request that stops copying for a token or two (a
         renamed variable) loses no round; one that never copies costs little. A request that
         decodes for the first time since the last round gets a round (and, with a free
         proposer, while at least `RESTART_SHARE` of the requests that finished lately drafted,
@@ -217,6 +238,8 @@ class Speculator:
         start = time.perf_counter()
         self.draft_forward_seconds = 0.0
         requests = requests if isinstance(requests, list) else list(requests)
+        if self._idle_steps:  # (steps skipped, `end_idle` not called: the count stays right)
+            self._count_idle()
         self._round(requests, base_tokens, queued, start)
         host = time.perf_counter() - start - self.draft_forward_seconds
         self._round_host += max(0.0, host)
@@ -234,12 +257,13 @@ class Speculator:
             ids = self._round_ids
             if all(req.request_id in ids and not req.draft_token_ids for req in requests):
                 self._skip -= 1
-                self.stats.record_plain(len(requests))
+                self._stats.num_plain_steps += len(requests)
                 return
         inputs = []
         new_request = False
         for req in requests:
-            req.draft_token_ids = []
+            if req.draft_token_ids:
+                req.draft_token_ids = []
             room = req.sampling_params.max_tokens - req.num_output_tokens - 1
             if req.is_finished or req.num_tokens - req.num_computed_tokens != 1 or room < 1:
                 continue
@@ -251,7 +275,7 @@ class Speculator:
                 self._round_ids = {req.request_id for req, _ in inputs}
                 self._round_size = len(inputs)
             self._skip -= 1
-            self.stats.record_plain(len(inputs))
+            self._stats.num_plain_steps += len(inputs)
             return
         if new_request or len(inputs) != self._round_size:
             self._round_ids = {req.request_id for req, _ in inputs}
@@ -337,7 +361,7 @@ class Speculator:
         }
         offered = self._offered_model_arms(len(inputs))
         if not offered and not any(free.values()):
-            self.stats.record_plain(len(inputs))  # nothing to choose from, nothing to try
+            self._stats.num_plain_steps += len(inputs)  # nothing to choose from, nothing to try
             return {}
         cands = []
         for inp in inputs:
@@ -385,7 +409,7 @@ class Speculator:
                 out[inp.request_id] = Proposal(prop.token_ids[:k], probs, prop.meta)
                 self._pending[inp.request_id] = choice
                 self._probs[inp.request_id] = probs
-        self.stats.record_plain(len(inputs) - len(out))
+        self._stats.num_plain_steps += len(inputs) - len(out)
         self._shadow_keep(inputs, free, choices)
         return out
 
@@ -513,7 +537,7 @@ class Speculator:
         if choice is None or choice.arm is None or num_drafts < 1:
             return
         self.picker.record_verification(request_id, choice.arm, num_drafts, num_accepted)
-        self.stats.record(choice.arm, num_drafts, num_accepted, choice.explore)
+        self._stats.record(choice.arm, num_drafts, num_accepted, choice.explore)
 
     def record_step_time(self, num_tokens: int, seconds: float, ahead: bool = False) -> None:
         """A step over `num_tokens` tokens took `seconds` (`ahead`: a plain step whose forward
@@ -535,7 +559,8 @@ class Speculator:
         for rid in sorted(ids):  # all finished: their ends count as `observe` would count them
             self._count_finished(rid)
             self.release(rid)
-        self._skip = self._round_size = self._idle_steps = 0
+        self._count_idle()
+        self._skip = self._round_size = self._idle_steps = self._idle_counted = 0
         self._idle_seconds = self._round_host = 0.0
         self.deferred = False
 

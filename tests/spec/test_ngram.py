@@ -10,7 +10,7 @@ import time
 import pytest
 
 from moestream.spec.base import ProposalInput, proposer_class
-from moestream.spec.ngram import NgramIndex, NgramProposer
+from moestream.spec.ngram import DENSE_LOOKUPS, NgramIndex, NgramProposer
 
 
 def ref_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
@@ -149,15 +149,73 @@ def test_registry_and_pure_python_import():
 
 
 @pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (2, 4), (3, 5)])
-def test_bulk_extend_equals_appending(min_n, max_n):
-    """`extend` in chunks of 0..20 tokens (bulk from 8 on) builds the index `append` does."""
+def test_index_built_in_chunks_equals_index_built_at_once(min_n, max_n):
+    """The dict index caught up after every chunk of 0..20 tokens (bulk from the max_n-th
+    token on) holds what one built over all the tokens at the end holds."""
     rng = random.Random(min_n * 10 + max_n)
     for _ in range(50):
-        one, bulk = NgramIndex(min_n, max_n), NgramIndex(min_n, max_n)
+        chunked, once = NgramIndex(min_n, max_n), NgramIndex(min_n, max_n)
         for _ in range(rng.randint(1, 6)):
             chunk = [rng.randrange(5) for _ in range(rng.randint(0, 20))]
             for t in chunk:
-                one.append(t)
-            bulk.extend(chunk)
-            assert bulk.tokens == one.tokens and bulk._last_end == one._last_end
-            assert bulk.lookup(4) == one.lookup(4)
+                chunked.append(t)
+            chunked.build_index()
+            once.extend(chunk)
+        once.build_index()
+        assert chunked.tokens == once.tokens and chunked._last_end == once._last_end
+        assert chunked.lookup(4) == once.lookup(4)
+
+
+# token ids whose 4-byte words share bytes: a byte match that straddles two words must not count
+STRADDLING = [0, 1, 256, 65536, 16777216, 257]
+
+
+@pytest.mark.parametrize(("min_n", "max_n"), [(1, 4), (2, 4), (3, 5)])
+@pytest.mark.parametrize("vocab", [[0, 1, 2], list(range(7)), STRADDLING, list(range(70_000))])
+def test_scanned_and_indexed_lookups_equal_brute_force(min_n, max_n, vocab):
+    """A lookup that scans (rare lookups) and one that reads the dict index (frequent
+    lookups) both give the brute force's proposal, on random streams."""
+    rng = random.Random(len(vocab) * 100 + min_n * 10 + max_n)
+    for _ in range(30):
+        scanned = NgramIndex(min_n, max_n, index_after=float("inf"))
+        indexed = NgramIndex(min_n, max_n, index_after=0)
+        tokens: list[int] = []
+        for _ in range(rng.randint(1, 10)):
+            chunk = rng.choices(vocab, k=rng.randint(0, 12))
+            tokens += chunk
+            scanned.extend(chunk)
+            indexed.extend(chunk)
+            k = rng.randint(1, 6)
+            want = ref_lookup(tokens, k, min_n, max_n)
+            assert scanned.lookup(k) == want, tokens
+            assert indexed.lookup(k) == want, tokens
+        assert not scanned.indexed and not any(scanned._last_end)
+        assert indexed.indexed or len(tokens) == 0
+
+
+def test_the_index_is_built_once_lookups_are_dense():
+    """Rare lookups (a request whose rounds are skipped) scan and never build the index, nor
+    do lookups at every token of a short sequence (a scan of it costs less than indexing a
+    token); `DENSE_LOOKUPS` in a row at every token of a long one build it (a long request
+    drafting every step). The proposals are the brute force's throughout."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(50) for _ in range(2000)]
+
+    def lookups(idx: NgramIndex, tokens: list[int], steps: int, every: int) -> int | None:
+        """Lookups after every `every` new tokens; the first at which the index was built."""
+        idx.extend(tokens)
+        built = None
+        for step in range(steps):
+            new = [rng.randrange(50) for _ in range(every)]
+            idx.extend(new)
+            tokens = tokens + new
+            assert idx.lookup(3) == ref_lookup(tokens, 3, 2, 4)
+            if built is None and idx.indexed:
+                built = step
+        return built
+
+    rare = NgramIndex(2, 4)
+    assert lookups(rare, prompt, 20, every=100) is None and not any(rare._last_end)
+    assert lookups(NgramIndex(2, 4), prompt[:200], 2 * DENSE_LOOKUPS, every=1) is None
+    # (the first lookup is not dense: none came before it)
+    assert lookups(NgramIndex(2, 4), prompt, 2 * DENSE_LOOKUPS, every=1) == DENSE_LOOKUPS

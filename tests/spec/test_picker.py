@@ -684,3 +684,24 @@ def test_unchosen_ngram_proposals_measure_acceptance_against_the_plain_tokens(ri
             assert after[3] > prior[3] and after[0] > prior[0], rid
         else:
             assert after[0] < prior[0], rid
+
+
+def test_skipped_steps_count_as_plain_steps_whenever_the_counters_are_read():
+    """`skip` only counts steps; the plain request-steps they make are settled when the
+    counters are read, at the next round or `end_idle`, each step counted once."""
+    spec, _ = counting_speculator()
+    spec.record_step_time(2, 1e-9)
+    a, b = decoding("a", [1, 2, 3, 4, 5, 6]), decoding("b", [7, 8, 9, 10, 11])
+    for _ in range(2):  # the second round in a row that drafts nothing starts skipping
+        spec.draft([a, b])
+    before = spec.stats.num_plain_steps
+    spec._skip = 5
+    for _ in range(3):
+        spec.skip(1.0)
+    assert spec.stats.num_plain_steps == before + 3 * 2
+    spec.skip(1.0)
+    spec.end_idle()
+    assert spec.stats.num_plain_steps == before + 4 * 2
+    spec.skip(1.0)
+    spec.draft([a])  # the round size changes: the step before it counts at the old size
+    assert spec.stats.num_plain_steps == before + 5 * 2 + 1
