@@ -82,15 +82,19 @@ class MoeGroupedConfig:
 # 2026-11-30, bench/RESULTS.md), us at T = 16 / 32 / 64: 2 assignments a block 154.7 / 246.6 /
 # 406.5, 4 a block 188.5 / 258.8 / 366.4 (8 and 16 spill registers: 320-2143); 8 weight rows a
 # program against 4 or 16 (+6-45%). mmvq 202.8 / 378.6 / 717.9, mmq 296.8 / 377.8 / 422.2.
-DEFAULT_CONFIG = MoeGroupedConfig(block_m=2)
+# One warp for the gate/up programs (2026-12-01, the 30B's batched decode, off/on/on/off): 16
+# requests 1,533 -> 1,590 tok/s (+3.7%), 32 requests 2,262 -> 2,398 (+6.0%). At 4 assignments a
+# block the sm_90 build of one warp spills (1,160 bytes, `python bench/sm90_builds.py
+# --decode`), so that shape keeps two.
+DEFAULT_CONFIG = MoeGroupedConfig(block_m=2, up_warps=1)
 
 
 def grouped_config(assignments: int, num_experts: int) -> MoeGroupedConfig:
     """The launch shape for A assignments over E experts: DEFAULT_CONFIG, with 4 assignments a
-    block where they average more than 2.5 an expert (T > 40 tokens of 8 experts in 128).
-    Depends on (A, E) only, never on the routing."""
+    block (and two warps for the gate/up) where they average more than 2.5 an expert (T > 40
+    tokens of 8 experts in 128). Depends on (A, E) only, never on the routing."""
     if assignments > 2.5 * num_experts:
-        return replace(DEFAULT_CONFIG, block_m=4)
+        return replace(DEFAULT_CONFIG, block_m=4, up_warps=2)
     return DEFAULT_CONFIG
 
 
