@@ -68,7 +68,7 @@ class SpecConfig:
     explore_budget: float = 0.01
     min_gain: float = 0.03
     ema_alpha: float = 0.2
-    idle_budget: float = 0.001
+    idle_budget: float = 0.0025
     always: bool = False
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from moestream.types import Request, StepPlan
 # how long a request that starts to repeat itself waits for its first n-gram drafts (128 steps:
 # ~30 ms on a 0.23 ms step; a larger model's longer steps reach `SpecConfig.idle_budget` with
 # fewer skips). At 64 the cap, not the budget, bounded a tiny model's rounds on the H200: a
-# round of ~130 us within 0.5% of a 0.23 ms step asked for ~110 skips. (The budget is 0.1% now
+# round of ~130 us within 0.5% of a 0.23 ms step asked for ~110 skips. (The budget is 0.25% now
 # that a round no longer indexes the skipped tokens: ~8-10 us on the CPU instead of ~18.)
 IDLE_MAX_SKIP = 128
 # Rounds skipped in a row while every proposer is a priced-out model arm (`Picker.priced_out`:
