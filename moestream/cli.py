@@ -1,4 +1,4 @@
-"""`moestream` command line: serve | generate | chat | convert | info | synth | bench | eval.
+"""`moestream` command line: serve | generate | chat | convert | info | synth | bench | eval | tune.
 
 Every option also reads an environment variable `MOESTREAM_<OPTION>` (dashes become
 underscores); a flag given on the command line wins. Errors the user can cause print one line
@@ -194,6 +194,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="same seed, same text")
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes >= 1, got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moestream",
@@ -256,6 +266,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=None, help="experts per layer (MoE)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser(
+        "tune",
+        help="time the decode kernels' launch shapes on this GPU and cache the fastest",
+        description="Find the model's decode matmuls (one forward of a token on the GPU), then "
+        "for each shape and batch size time the default launch shape and others that compute "
+        "every output element the same way (rows per program and warps of the integer-dot "
+        "GEMVs and of the MoE's gate/up kernel) on random weights, and cache the fastest per "
+        "GPU and Triton version in launch-shapes.json, which the kernels read from then on "
+        "(MOESTREAM_TUNE_CACHE=off ignores it). Results never change bits: a launch shape is "
+        "kept only if its output is bit for bit the default's, so greedy text stays the same "
+        "with or without the cache. The model must fit on the GPU.",
+    )
+    _model_arg(p)
+    p.add_argument("--device", default="cuda", help="CUDA device to tune for (cuda or cuda:N)")
+    p.add_argument(
+        "--repeats", type=int, default=20, help="timed runs per launch shape (median is kept)"
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default=(1, 2, 4, 8),
+        help="decode batch sizes to tune, rounded up to powers of two; those a kernel does not "
+        "serve are skipped (default 1,2,4,8)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="folder of launch-shapes.json (default ~/.cache/moestream)",
+    )
+    p.set_defaults(func=_cmd_tune)
 
     from moestream.bench.cli import add_bench_parser
     from moestream.eval.cli import add_eval_parser
@@ -422,6 +463,48 @@ def _cmd_synth(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
+def _decode_launches(model_path: str, device) -> set:
+    """The launches that consult the launch-shape cache in one forward of a token through the
+    model on `device` (`kernels.tuning.tracing`): every decode matmul's shape at one row."""
+    import torch
+
+    from moestream.kernels import tuning
+    from moestream.layers.attention import AttentionMetadata
+    from moestream.models.registry import build_model
+    from moestream.weights.loader import open_model
+
+    model = build_model(open_model(model_path), device, torch.bfloat16)
+    ids = torch.zeros(1, dtype=torch.long, device=device)
+    with tuning.tracing() as seen, torch.inference_mode():
+        kv = model.make_kv_cache(1, 16)
+        attn = AttentionMetadata.build([(0, 1, [0])], 16, device)
+        model.compute_logits(model.forward(ids, ids.clone(), attn, kv))
+    return seen
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from moestream.errors import RequestError
+    from moestream.kernels import tuning
+
+    if args.repeats < 1:
+        raise RequestError(f"--repeats must be at least 1, got {args.repeats}")
+    device = torch.device(args.device)
+    timer = tuning.make_timer(device, args.repeats)  # no CUDA GPU: one clear error
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    shapes = tuning.widen(_decode_launches(args.model, device), args.batch_sizes)
+    torch.cuda.empty_cache()  # the model is gone: room for the random operands
+    results = tuning.tune_shapes(shapes, device, timer)
+    path = tuning.cache_path(args.cache_dir)
+    tuning.write_cache(path, tuning.device_key(device), tuning.cache_entries(results))
+    print(tuning.format_results(results))
+    won = sum(r.best != r.default for r in results)
+    print(f"{won} of {len(results)} launch shapes beat the default; wrote {path}")
     return 0
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moestream.cli import DEMO_MODEL, build_parser
 
@@ -57,7 +58,7 @@ def test_every_command_has_help() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert set(sub.choices) >= {
-        "serve", "generate", "chat", "convert", "info", "synth", "bench", "eval"
+        "serve", "generate", "chat", "convert", "info", "synth", "bench", "eval", "tune"
     }  # fmt: skip
     for name, p in sub.choices.items():
         text = p.format_help()
@@ -97,3 +98,18 @@ def test_expert_flags_reach_the_llm_on_every_command() -> None:
         kwargs = llm_kwargs_from_args(args)
         assert kwargs["expert_zero_copy"] is True, command
         assert kwargs["expert_rebalance_steps"] == 32, command
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_tune_without_cuda_is_one_line_and_status_2(tmp_path: Path) -> None:
+    proc = run("tune", "--cache-dir", str(tmp_path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moestream: error: tune needs a CUDA GPU")
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_tune_help_says_results_never_change_bits() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = " ".join(sub.choices["tune"].format_help().split())
+    assert "never change bits" in text and "MOESTREAM_TUNE_CACHE=off" in text

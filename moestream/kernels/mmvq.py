@@ -43,6 +43,7 @@ Letters: M activation rows (<= MAX_M), N output features, K input features (mult
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,7 @@ from moestream.kernels._triton_dequant import (
 )
 from moestream.kernels.ops import MMVQ_DENSE_QTYPES, MMVQ_QTYPES
 from moestream.kernels.pdl import pdl_args, pdl_start
+from moestream.kernels.tuning import DenseShape, PairShape, tuned, weight_label
 from moestream.weights.qtensor import QTensor
 
 MAX_M = 8
@@ -539,10 +541,11 @@ def groups_per_step(groups: int, m_block: int, block_n: int, budget: int = 32) -
 # 6.4, gate/up 24576 x 4096 19.9 / 21.8 (67% of copy bandwidth), down 4096 x 12288 (4 rows, 16
 # groups a step) 12.7 / 14.1. At M = 1 only: the sm_90 builds of one warp spill from M = 2
 # (16 groups a step) or M = 8 (8 groups). Warps and rows per program do not change a row's
-# arithmetic, so the bits stay those of the other M. Off only to compare. The 30B's K = 2048
-# matrices (8 groups) were not measured with one warp: `ONE_WARP_MIN_GROUPS` is where it starts.
+# arithmetic, so the bits stay those of the other M. Off only to compare. From K = 2048 (8
+# groups: the 30B's q/k/v) since 2026-12-01: the 30B's batch-1 decode 499.8 -> 503.5 tok/s
+# (+0.7%, medians of two arms each, interleaved, the arms' ranges apart).
 LONG_K_ONE_WARP = True
-ONE_WARP_MIN_GROUPS = 16
+ONE_WARP_MIN_GROUPS = 8
 
 
 def mmvq_config(
@@ -552,6 +555,34 @@ def mmvq_config(
     m_block: int = 1,
     variant: str = DEFAULT_VARIANT,
     padded: bool = False,
+    qtype: GGMLQuantizationType | None = None,
+    device: torch.device | None = None,
+) -> MmvqConfig:
+    """`default_mmvq_config`; for the "once" variant, given the weight's `qtype` and the
+    `device`, with the rows per program and warps that `moestream tune` cached for that device
+    and shape (`kernels.tuning`: they leave a row's arithmetic, hence its bits, as they are)."""
+    cfg = default_mmvq_config(n, k, sms, m_block, variant, padded)
+    if qtype is None or device is None or cfg.variant != "once":
+        return cfg
+    return tuned(device, DenseShape(weight_label(qtype, padded), n, k, m_block), cfg)
+
+
+def default_mmvq_config(
+    n: int,
+    k: int,
+    sms: int,
+    m_block: int = 1,
+    variant: str = DEFAULT_VARIANT,
+    padded: bool = False,
+) -> MmvqConfig:
+    """The hand-made launch shape (`_default_config`, memoized: `mmvq` asks on every call)."""
+    one_warp = ONE_WARP_MIN_GROUPS if LONG_K_ONE_WARP else 0
+    return _default_config(n, k, sms, m_block, variant, padded, one_warp)
+
+
+@lru_cache(maxsize=4096)
+def _default_config(
+    n: int, k: int, sms: int, m_block: int, variant: str, padded: bool, one_warp_groups: int
 ) -> MmvqConfig:
     """4 rows per program (2 while that leaves fewer than two programs per SM); a K split (a
     power of two, >= 8 groups per split; its partials cost two more launches) only while the
@@ -584,10 +615,10 @@ def mmvq_config(
         # From the same sweep: 16 rows per program for an output head (N >= 64k rows: 124 us
         # against 145 with 4), 8 rows and 16 groups per step for K >= 8192 (8B down: 27.7
         # against 30.2 us); 4 rows and up to 8 groups elsewhere. One warp where a program's K
-        # holds 16 groups or more (`LONG_K_ONE_WARP`).
+        # holds `one_warp_groups` groups or more (`ONE_WARP_MIN_GROUPS`; 0: `LONG_K_ONE_WARP` off).
         if n >= 1 << 16 and split_k == 1:
             return MmvqConfig(16, 1, 1 << (min(groups, 8).bit_length() - 1), 4, "once")
-        long_k = LONG_K_ONE_WARP and m_block == 1 and groups // split_k >= ONE_WARP_MIN_GROUPS
+        long_k = one_warp_groups > 0 and m_block == 1 and groups // split_k >= one_warp_groups
         if groups // split_k >= 32:
             return (
                 MmvqConfig(4, split_k, 16, 1, "once")
@@ -647,7 +678,10 @@ def mmvq(
     if m == 0:
         return out
     m_block = triton.next_power_of_2(m)
-    cfg = config or mmvq_config(n, k, num_sms(a.q.device), m_block, padded=w.padded)
+    dev = a.q.device
+    cfg = config or mmvq_config(
+        n, k, num_sms(dev), m_block, padded=w.padded, qtype=w.qtype, device=dev
+    )
     groups = k // 256
     if groups % cfg.split_k or cfg.groups & (cfg.groups - 1):
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
@@ -672,18 +706,36 @@ def mmvq(
     return out
 
 
+def default_pair_config(n: int, k: int, sms: int, m_block: int) -> MmvqConfig:
+    """`mmvq_pair`'s launch shape for N + N2 = n rows: `default_mmvq_config`'s "once" shape,
+    without its K split (then up to 8 groups a step). Memoized."""
+    return _pair_config(n, k, sms, m_block, ONE_WARP_MIN_GROUPS if LONG_K_ONE_WARP else 0)
+
+
+@lru_cache(maxsize=1024)
+def _pair_config(n: int, k: int, sms: int, m_block: int, one_warp_groups: int) -> MmvqConfig:
+    cfg = _default_config(n, k, sms, m_block, "once", False, one_warp_groups)
+    if cfg.split_k != 1 or cfg.variant != "once":
+        g = 1 << (min(k // 256, 8).bit_length() - 1)
+        cfg = MmvqConfig(cfg.block_n, 1, g, cfg.num_warps, "once")
+    return cfg
+
+
 def mmvq_pair(
     a: Q8Act,
     w: QTensor,
     w2: QTensor,
     out_dtype: torch.dtype = torch.float32,
     config: MmvqConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, N + N2]: `mmvq` of `a` with w, then with w2 (both 2-D, types in MMVQ_DENSE_QTYPES,
     the same K), in one launch of the "once" kernel: one launch less where a layer's
     projections over one input do not share a type (Qwen3's Q4_K q/k and Q6_K v in the
     Q4_K_M mix). `config` (variant "once", no K split) serves both; by default
-    `mmvq_config`'s for N + N2 rows without the split."""
+    `default_pair_config`'s, with the rows per program and warps `moestream tune` cached for
+    the device and shape (`kernels.tuning`). `out`, when given, is a contiguous
+    [M, N + N2] tensor that receives the result."""
     for x in (w, w2):
         check_weight(x, 2)
         if x.qtype not in MMVQ_DENSE_QTYPES:
@@ -693,17 +745,23 @@ def mmvq_pair(
     m, k, n, n2 = a.rows, a.k, w.shape[0], w2.shape[0]
     if m > MAX_M:
         raise ValueError(f"mmvq_pair takes at most {MAX_M} rows, got {m}")
-    out = torch.empty((m, n + n2), dtype=out_dtype, device=a.q.device)
+    if out is None:
+        out = torch.empty((m, n + n2), dtype=out_dtype, device=a.q.device)
+    elif out.shape != (m, n + n2) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n + n2}]")
     if m == 0:
         return out
     m_block = triton.next_power_of_2(m)
-    groups = k // 256
-    cfg = config or mmvq_config(n + n2, k, num_sms(a.q.device), m_block, "once")
-    if cfg.split_k != 1 or cfg.variant != "once":
-        if config is not None:
-            raise ValueError(f"mmvq_pair: {cfg} must be the once variant without a K split")
-        g = 1 << (min(groups, 8).bit_length() - 1)
-        cfg = MmvqConfig(cfg.block_n, 1, g, cfg.num_warps, "once")
+    if config is None:
+        dev = a.q.device
+        shape = PairShape(
+            weight_label(w.qtype, w.padded), weight_label(w2.qtype, w2.padded), n, n2, k, m_block
+        )
+        cfg = tuned(dev, shape, default_pair_config(n + n2, k, num_sms(dev), m_block))
+    elif config.split_k != 1 or config.variant != "once":
+        raise ValueError(f"mmvq_pair: {config} must be the once variant without a K split")
+    else:
+        cfg = config
     if cfg.groups & (cfg.groups - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"{cfg}: groups and block_n must be powers of two")
     check_rows_aligned(w, "mmvq_pair")
@@ -727,6 +785,8 @@ __all__ = [
     "mmvq",
     "mmvq_pair",
     "mmvq_config",
+    "default_mmvq_config",
+    "default_pair_config",
     "mmvq_ref",
     "quantize_q8",
     "quantize_q8_ref",

@@ -374,10 +374,11 @@ def fused_moe(
     addressing), each 16-byte aligned (not checked here: that would need a sync). It needs the
     "mmvq" path, and `expert_slot` may be None (it is not read).
 
-    "mmvq" only: `mmvq_cfg` its launch shape (default `moe_mmvq.DEFAULT_CONFIG`); "mmvq" and
-    "grouped": `xa` x's q8 blocks when the caller already has them (`mmvq.quantize_q8(x)`; x
-    then gives only shapes, dtype and device); "mmvq": `counters` the zero arrival counters of
-    a gate/up split (`moe_mmvq.mmvq_counters`, left zero; a fresh buffer per call when None).
+    "mmvq" only: `mmvq_cfg` its launch shape (default `moe_mmvq.tuned_config`: DEFAULT_CONFIG
+    unless `moestream tune` cached another); "mmvq" and "grouped": `xa` x's q8 blocks when the
+    caller already has them (`mmvq.quantize_q8(x)`; x then gives only shapes, dtype and device);
+    "mmvq": `counters` the zero arrival counters of a gate/up split (`moe_mmvq.mmvq_counters`,
+    left zero; a fresh buffer per call when None).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     if expert_slot is None and expert_addr is None:
@@ -404,7 +405,7 @@ def fused_moe(
         experts = expert_slot.shape[0] if expert_slot is not None else None
         method = default_method(a, gate, up, down, x, experts)
     if method == "mmvq":
-        cfg = mmvq_cfg or moe_mmvq.DEFAULT_CONFIG
+        cfg = mmvq_cfg or moe_mmvq.tuned_config(x.device, gate, up, down, t, k)
         if block_n:
             cfg = replace(cfg, down_block_n=block_n)
         return fused_moe_mmvq(

@@ -42,6 +42,7 @@ from moestream.kernels.mmvq import (
 )
 from moestream.kernels.mmvq_once import _once_step, capped_warps, runs_per_group
 from moestream.kernels.pdl import pdl_args, pdl_start
+from moestream.kernels.tuning import MoeShape, next_power_of_2, tuned, weight_label
 from moestream.weights.qtensor import QTensor
 
 
@@ -437,7 +438,8 @@ def _down_mmvq_kernel(
 # throughput), and the 30B's batch-1 decode ran +2.8% with 4 rows (twice the programs), +4.5%
 # more with one warp each (456-457 -> 469-470 -> 490-493 tok/s; 8 requests unchanged), while
 # halving the down kernel's rows lost 8%. Warps and rows per program leave a row's arithmetic
-# as it is (tests: rows under the interpreter; the dense once kernel's warps on the H200).
+# as it is (tests: rows under the interpreter; the dense once kernel's warps on the H200), so
+# `moestream tune` may cache other gate/up rows and warps per device and shape (`tuned_config`).
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
@@ -446,6 +448,21 @@ DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps
 # for gate/up, 399 / 3,543 us at T = 1 / 8 against 426 / 4,060 for the device default; the host
 # link delivered 27-29 GB/s of expert bytes at T = 1 in every shape tried (16).
 ZERO_COPY_CONFIG = MoeMmvqConfig(up_groups=1, up_warps=8)
+
+
+def tuned_config(
+    device: torch.device, gate: QTensor, up: QTensor, down: QTensor, tokens: int, top_k: int
+) -> MoeMmvqConfig:
+    """DEFAULT_CONFIG with the gate/up rows per program and warps that `moestream tune` cached
+    for this device and shape (`kernels.tuning`; tokens rounded up to a power of two), if any:
+    they leave every row's arithmetic, hence every bit, as it is. The down kernel's launch is
+    never tuned (its per-step `tl.sum` order follows its rows and warps: `_row_sums`)."""
+    h, f = gate.shape[2], gate.shape[1]
+    shape = MoeShape(
+        weight_label(gate.qtype, gate.padded), weight_label(up.qtype, up.padded),
+        weight_label(down.qtype, down.padded), h, f, top_k, next_power_of_2(tokens),
+    )  # fmt: skip
+    return tuned(device, shape, DEFAULT_CONFIG)
 
 
 def moe_mmvq_ref(

@@ -157,6 +157,8 @@ def test_mmvq_once_default_config_does_not_depend_on_m() -> None:
             assert cfg.variant == "once" and once_warps(cfg, 4) * 16 <= 4 * cfg.groups
     assert mmvq_config(5120, 4096, 132, 1, variant="once").num_warps == 1  # LONG_K_ONE_WARP
     assert mmvq_config(5120, 4096, 132, 2, variant="once").num_warps == 2
+    assert mmvq_config(5120, 2048, 132, 1, variant="once").num_warps == 1  # ONE_WARP_MIN_GROUPS
+    assert mmvq_config(5120, 1024, 132, 1, variant="once").num_warps == 2
     with pytest.raises(ValueError, match="variant"):
         mmvq(quantize_q8(activations(1, 256, torch.float32, 0)), quantized(T.Q4_K, (8, 256), 0),
              config=MmvqConfig(variant="rows"))  # fmt: skip
