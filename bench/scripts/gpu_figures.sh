@@ -115,6 +115,9 @@
 #   bench/scripts/gpu_figures.sh s11b    llama.cpp (built for sm_90) and moestream side by side
 #   bench/scripts/gpu_figures.sh s11c    batched MoE (grouped) gate/up warps and rows, A/B at 16-32
 #   bench/scripts/gpu_figures.sh s11d    one-warp dense GEMV from K = 2048, A/B on the 30B
+#   bench/scripts/gpu_figures.sh s12a    `moestream tune`: GPU tests, demo and 30B tuned, greedy
+#                                        text and the 30B's decode with the cache and without
+#   bench/scripts/gpu_figures.sh s12b    tiny-pair sampled step phases (prose, 10 rounds)
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -202,7 +205,14 @@ cfg_ab() {  # cfg_ab MODULE NAME=FIELDS...: the 30B's decode (ab_decode, 32 toke
     AB_TOKENS=32 ab_decode "$what" "${arm%%=*}" "$pre" 100
   done
 }
-moe_ab() { cfg_ab moe_mmvq "$@"; }  # moe_ab NAME=FIELDS...: cfg_ab on the MoE mmvq path
+moe_ab() { cfg_ab moe_mmvq "$@"; }
+tune_model() {  # tune_model FILE NAME SECONDS BATCHES: `moestream tune` into /tmp/mcache
+  timeout "$3" python3 -c "import sys; from moestream.cli import main; sys.exit(main())" tune \
+    "$1" --device cuda --cache-dir /tmp/mcache --batch-sizes "$4" 2> "/tmp/r/tune_$2.err" \
+    | tee "$out/tune_$2.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "[tune $2 rc=$rc]"; [[ $rc == 0 ]] && echo "$2" >> /tmp/mcache/tuned || tail -5 "/tmp/r/tune_$2.err"
+}  # moe_ab NAME=FIELDS...: cfg_ab on the MoE mmvq path
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 [[ -f COMMIT ]] && export MOESTREAM_COMMIT=$(cat COMMIT) && echo "commit $MOESTREAM_COMMIT"
 case $part in
@@ -882,6 +892,32 @@ PY
     for arm in base1 k2a k2b base2; do
       AB_TOKENS=32 ab_decode w1k2 "$arm" "$([[ $arm == k2* ]] && echo "$k2")" 100
     done
+    ;;
+  s12a)  # `moestream tune`: GPU tests of the tuner and of the grouped gate/up's warps; the demo
+    # model tuned, its greedy text with the cache and without; the 30B tuned (batch 1 and 2)
+    timeout 150 python3 -m pytest tests/kernels/test_tuning.py tests/kernels/test_moe_grouped.py \
+      -q -p no:cacheprovider -k "tun or bits" 2>&1 | tail -3
+    tune_model moestream/data/tiny-qwen3-moe-Q4_K_M.gguf demo 120 1,2,4,8
+    for c in on off; do
+      MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=$c timeout 60 python3 -c \
+        "import sys; from moestream.cli import main; sys.exit(main())" generate --device cuda \
+        -p "The history of the city" --max-tokens 64 --temperature 0 > "/tmp/r/gen_$c.txt" 2>&1
+    done
+    cmp /tmp/r/gen_on.txt /tmp/r/gen_off.txt && echo "[greedy text: same with the cache and without]"
+    synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 240 1,2
+    ;;
+  s12b)  # the 30B's decode with s12a's cache and without, in turn (off, on, on, off; the 30B
+    # tuned again if this is a fresh machine); the tiny pair sampled at temperature 1 (prose, 10
+    # rounds): plain, plain again (the noise floor) and auto, after the n-gram scan and the idle
+    # budget of 0.25%
+    synth qwen3-30b-a3b q30
+    grep -q q30 /tmp/mcache/tuned 2>/dev/null || tune_model /tmp/q30.gguf q30 240 1,2
+    for arm in off1 on1 on2 off2; do
+      MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
+        ab_decode tune "$arm" "" 100
+    done
+    timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
+      --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
