@@ -153,4 +153,3 @@ def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch
     for bad in (dict(block_m=3), dict(block_m=32), dict(up_warps=3)):
         with pytest.raises(ValueError, match="MoeGroupedConfig"):
             MoeGroupedConfig(**bad)
-
