@@ -296,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder of launch-shapes.json (default ~/.cache/moestream)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="worker processes that compile the launch shapes before they are timed (each "
+        "candidate is a Triton compile of its own; 1: compile while timing; default: up to 8)",
+    )
     p.set_defaults(func=_cmd_tune)
 
     from moestream.bench.cli import add_bench_parser
@@ -489,20 +496,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     from moestream.errors import RequestError
-    from moestream.kernels import tuning
+    from moestream.kernels import tuner, tuning
 
     if args.repeats < 1:
         raise RequestError(f"--repeats must be at least 1, got {args.repeats}")
     device = torch.device(args.device)
-    timer = tuning.make_timer(device, args.repeats)  # no CUDA GPU: one clear error
+    timer = tuner.make_timer(device, args.repeats)  # no CUDA GPU: one clear error
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    shapes = tuning.widen(_decode_launches(args.model, device), args.batch_sizes)
+    shapes = tuner.widen(_decode_launches(args.model, device), args.batch_sizes)
     torch.cuda.empty_cache()  # the model is gone: room for the random operands
-    results = tuning.tune_shapes(shapes, device, timer)
+    tuner.compile_ahead(shapes, device, args.jobs)
+    results = tuner.tune_shapes(shapes, device, timer)
     path = tuning.cache_path(args.cache_dir)
-    tuning.write_cache(path, tuning.device_key(device), tuning.cache_entries(results))
-    print(tuning.format_results(results))
+    tuning.write_cache(path, tuning.device_key(device), tuner.cache_entries(results))
+    print(tuner.format_results(results))
     won = sum(r.best != r.default for r in results)
     print(f"{won} of {len(results)} launch shapes beat the default; wrote {path}")
     return 0

@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from moestream.kernels import tuning  # noqa: E402
+from moestream.kernels import tuner, tuning  # noqa: E402
 from moestream.kernels._triton_dequant import num_sms  # noqa: E402
 from moestream.kernels.mmvq import MmvqConfig, mmvq_config  # noqa: E402
 from moestream.kernels.tuning import DenseShape, MoeShape, PairShape  # noqa: E402
@@ -130,7 +130,7 @@ def test_candidates_change_only_rows_and_warps_within_the_limits() -> None:
 
     for shape in (SHAPE, SHAPE._replace(m_block=2), DenseShape("Q8_0", 4096, 12288, 8)):
         base = default_of(shape)
-        cands = tuning.candidates(shape, base)
+        cands = tuner.candidates(shape, base)
         assert cands and len(set(cands)) == len(cands) and base not in cands
         sub = 8 if shape.weight == "Q8_0" else 4
         for c in cands:
@@ -139,7 +139,7 @@ def test_candidates_change_only_rows_and_warps_within_the_limits() -> None:
             if shape.m_block > 1:  # one warp spills from M = 2: never fewer than the default
                 assert c.num_warps >= once_warps(base, sub)
     moe = MoeShape("Q4_K", "Q4_K", "Q6_K/padded", 2048, 768, 8, 1)
-    cands = tuning.candidates(moe, DEFAULT_CONFIG)
+    cands = tuner.candidates(moe, DEFAULT_CONFIG)
     assert cands and DEFAULT_CONFIG not in cands
     for c in cands:
         assert tuning.with_knobs(c, {"up_block_n": 4, "up_warps": 1}) == DEFAULT_CONFIG
@@ -153,7 +153,7 @@ def test_widen_keeps_the_batch_sizes_each_kernel_serves() -> None:
         MoeShape("Q4_K", "Q4_K", "Q6_K", 2048, 768, 8, 1),
     }
     got = {(s.kernel, s.weight if s.kernel != "moe_mmvq" else "", s[-1])
-           for s in tuning.widen(shapes, [1, 2, 3, 8])}  # fmt: skip
+           for s in tuner.widen(shapes, [1, 2, 3, 8])}  # fmt: skip
     assert got == {
         *(("mmvq", "Q4_K", m) for m in (1, 2)),
         *(("mmvq", "IQ4_NL", m) for m in (1, 2, 4, 8)),
@@ -175,7 +175,7 @@ class FakeTimer:
 
 def test_tuner_picks_the_fastest_candidate_with_the_default_bits() -> None:
     shape = DenseShape("Q4_K", 12, 1024, 1)
-    base = tuning.default_config(shape, DEV)
+    base = tuner.default_config(shape, DEV)
     # two other row counts than the default's (4 rows under the interpreter, 2 on an H200)
     rows_fast, rows_faster = [b for b in (8, 2, 16) if b != base.block_n][:2]
     fast, faster, wrong = (
@@ -186,26 +186,26 @@ def test_tuner_picks_the_fastest_candidate_with_the_default_bits() -> None:
     timer = FakeTimer({(base.block_n, base.num_warps): 10.0, (rows_fast, base.num_warps): 6.0,
                        (rows_faster, base.num_warps): 5.0})  # fmt: skip
     timer.times[(wrong.block_n, wrong.num_warps)] = 10.0
-    result = tuning.tune_shape(shape, DEV, timer, lambda s, d: [fast, faster, wrong])
+    result = tuner.tune_shape(shape, DEV, timer, lambda s, d: [fast, faster, wrong])
     assert result.best == faster and result.best_us == 5.0 and result.default_us == 10.0
     assert (result.tried, result.rejected) == (2, 1)
     assert wrong not in timer.calls  # rejected before timing
     # within MIN_GAIN of the default: the default stays
     timer = FakeTimer({(base.block_n, base.num_warps): 10.0, (rows_fast, base.num_warps): 9.9})
-    assert tuning.tune_shape(shape, DEV, timer, lambda s, d: [fast]).best == base
+    assert tuner.tune_shape(shape, DEV, timer, lambda s, d: [fast]).best == base
     # the cache entries: the winner's knobs, read back by mmvq_config
-    write(tuning.cache_entries([result]))
+    write(tuner.cache_entries([result]))
     assert mmvq_config(12, 1024, num_sms(DEV), 1, "once", False, T.Q4_K, DEV) == faster
-    table = tuning.format_results([result])
+    table = tuner.format_results([result])
     assert shape.key in table and f"block_n={rows_faster}" in table and "1 of 3" in table
 
 
 def test_tuner_checks_a_pair_of_weights_and_padded_q6_k() -> None:
     shape = PairShape("Q4_K", "Q6_K/padded", 8, 4, 512, 2)
-    base = tuning.default_config(shape, DEV)
+    base = tuner.default_config(shape, DEV)
     timer = FakeTimer({(base.block_n, base.num_warps): 10.0, (8, base.num_warps): 6.0})
     cands = [base._replace(block_n=8), base._replace(groups=1)]
-    result = tuning.tune_shape(shape, DEV, timer, lambda s, d: cands)
+    result = tuner.tune_shape(shape, DEV, timer, lambda s, d: cands)
     assert result.best == cands[0] and result.rejected == 1
 
 
@@ -232,11 +232,11 @@ def test_tuner_checks_the_moe_gate_up_rows() -> None:
         tuning.with_knobs(DEFAULT_CONFIG, {"up_block_n": 32, "up_warps": 1, "up_once": False}),
     ]
     try:
-        result = tuning.tune_shape(shape, DEV, timer, lambda s, d: cands)
+        result = tuner.tune_shape(shape, DEV, timer, lambda s, d: cands)
     except Exception as e:  # noqa: BLE001
         skip_if_the_interpreter_cannot_run_the_moe(e)
     assert result.best == cands[0] and result.best_us == 5.0 and result.rejected == 1
-    write(tuning.cache_entries([result]))
+    write(tuner.cache_entries([result]))
     entry_ = json.loads(tuning.cache_path().read_text())["devices"][tuning.device_key(DEV)]
     assert entry_["moe_mmvq"][shape.key]["config"] == {"up_block_n": 8, "up_warps": 1}
 
@@ -275,11 +275,25 @@ def test_model_logits_are_the_same_bits_with_a_populated_cache(monkeypatch) -> N
     assert {s.m_block for s in seen} == {1, 2} and all(isinstance(s, DenseShape) for s in seen)
     entries = {}
     for s in seen:
-        base = tuning.default_config(s, DEV)
+        base = tuner.default_config(s, DEV)
         knobs = {"block_n": 16 if base.block_n != 16 else 2, "num_warps": 4}
         entries[s.key] = entry(knobs, base)
     write({"mmvq": entries})
     for s in seen:  # the cache is in force
-        assert tuning.tuned(DEV, s, tuning.default_config(s, DEV)).num_warps == 4
+        assert tuning.tuned(DEV, s, tuner.default_config(s, DEV)).num_warps == 4
     cached = run()
     assert all(torch.equal(a, b) for a, b in zip(plain, cached, strict=True))
+
+
+def test_compile_ahead_launches_every_config_the_tuner_will_run_in_workers() -> None:
+    """`compile_ahead` covers the default and every candidate of each shape (in tasks of at
+    most COMPILE_CHUNK), and runs them in spawned workers: under the interpreter each worker
+    launches them on its own random operands; on a GPU it fills Triton's on-disk cache."""
+    shape = DenseShape("Q4_K", 4, 256, 1)
+    tasks = tuner.compile_tasks([shape], DEV)
+    configs = [cfg for _, cfg_list in tasks for cfg in cfg_list]
+    default = tuner.default_config(shape, DEV)
+    assert configs == [default, *tuner.candidates(shape, default)]
+    assert all(len(c) <= tuner.COMPILE_CHUNK for _, c in tasks)
+    assert tuner.compile_ahead([shape], DEV, jobs=1, progress=False) == 0  # compile while timing
+    assert tuner.compile_ahead([shape], DEV, jobs=2, progress=False) == len(configs)
