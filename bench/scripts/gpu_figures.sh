@@ -117,7 +117,10 @@
 #   bench/scripts/gpu_figures.sh s11d    one-warp dense GEMV from K = 2048, A/B on the 30B
 #   bench/scripts/gpu_figures.sh s12a    `moestream tune`: GPU tests, demo and 30B tuned, greedy
 #                                        text and the 30B's decode with the cache and without
-#   bench/scripts/gpu_figures.sh s12b    tiny-pair sampled step phases (prose, 10 rounds)
+#   bench/scripts/gpu_figures.sh s12b    the 30B's decode with the tune cache and without;
+#                                        tiny-pair sampled step phases (prose, 10 rounds)
+#   bench/scripts/gpu_figures.sh s13a    the 30B tuned (compiles ahead), decode A/B with the
+#                                        cache; 8 requests, grouped gate/up one warp vs two
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -918,6 +921,16 @@ PY
     done
     timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
+    ;;
+  s13a)  # next session: the 30B tuned with its compiles ahead (`--jobs`); its decode at 1 and 8
+    # requests with the cache and without, in turn; 8 requests with the grouped gate/up in one
+    # warp (the default since 2026-12-01) and in two, in turn
+    synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 300 1,2
+    for arm in off1 on1 on2 off2; do
+      MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
+        ab_decode tune "$arm" "" 100
+    done
+    AB_CONC=8 cfg_ab moe_grouped w1a= w2a="up_warps=2" w2b="up_warps=2" w1b=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
