@@ -282,7 +282,12 @@ def _acc_q4_k(acc, rows, sb, c, ok, wt, xq, xd, xs, Q5: tl.constexpr, ASM: tl.co
     # it nothing to choose.
     acc = tl.fma(d * sc0 * xd0, f0, acc)
     acc = tl.fma(d * sc1 * xd1, f1, acc)
-    acc -= tl.where(w == 0, dmin * tl.fma(mn0, xs0, mn1 * xs1), 0.0)
+    # The min term as an fma too: `acc - where(w == 0, dmin * m, 0)` left the compiler a
+    # multiply and a subtract to contract wherever it folded the select (a register holding
+    # only w == 0 lanes), which depends on the layout: the sm_90 builds of the grouped MoE
+    # gate/up rounded it once with one warp and twice with two (PTX: neg + fma.rn against
+    # selp + sub), and its bits differed on the H200.
+    acc = tl.fma(tl.where(w == 0, -dmin, 0.0), tl.fma(mn0, xs0, mn1 * xs1), acc)
     return acc
 
 

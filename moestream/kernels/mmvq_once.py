@@ -92,7 +92,9 @@ def _once_q4_k(rows, sb, c, ok, h, j, xa, xb, xd0, xd1, xs0, xs1, Q5: tl.constex
     dmin = ((h0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     part = (d * sc1 * xd1) * i2f(s1)
     part = tl.fma(d * sc0 * xd0, i2f(s0), part)  # explicit FMAs: see `mmvq._acc_q4_k`
-    return part - tl.where(h == 0, dmin * tl.fma(mn0, xs0, mn1 * xs1), 0.0)
+    # the min term as an fma as well (see `mmvq._acc_q4_k`: a foldable select let the
+    # compiler contract it in some layouts and not others)
+    return tl.fma(tl.where(h == 0, -dmin, 0.0), tl.fma(mn0, xs0, mn1 * xs1), part)
 
 
 @triton.jit

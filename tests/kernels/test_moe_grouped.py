@@ -153,3 +153,30 @@ def test_fused_moe_dispatches_the_grouped_path_and_rejects_bad_input(monkeypatch
     for bad in (dict(block_m=3), dict(block_m=32), dict(up_warps=3)):
         with pytest.raises(ValueError, match="MoeGroupedConfig"):
             MoeGroupedConfig(**bad)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter has no warps or register layouts")
+@pytest.mark.parametrize("qtypes", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q6_K, T.Q5_K, T.Q8_0)])
+def test_moe_grouped_bits_do_not_depend_on_gate_up_warps_or_rows(qtypes) -> None:
+    """The gate/up programs' warps and rows (what `grouped_config` picks by the number of
+    assignments) leave every output's bits as they are. Each warp count compiles its own
+    register layout; the K-quants' min term is an explicit fma since this failed on the H200
+    (the compiler contracted `part - dmin * m` in some layouts only: `mmvq._acc_q4_k`)."""
+    h = 2048
+    gate = stacked(qtypes[0], (S, FF, h), seed=11)
+    up = stacked(qtypes[1], (S, FF, h), seed=12)
+    down = stacked(qtypes[2], (S, h, FF), seed=13)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids, weights = routing(9, 2, [0, 1, 2, 3, 4], seed=9)
+    x = activations(9, h, torch.float32, seed=10)
+    outs = []
+    for cfg in (
+        MoeGroupedConfig(block_m=2, up_warps=2),
+        MoeGroupedConfig(block_m=2, up_warps=1),
+        MoeGroupedConfig(block_m=2, up_block_n=4, up_warps=1),
+        MoeGroupedConfig(block_m=2, up_block_n=16, up_warps=4),
+    ):
+        out = torch.full((9, h), float("nan"), device=DEVICE)
+        moe_grouped(x, ids, weights, gate, up, down, slot, out, cfg)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
