@@ -91,3 +91,81 @@ def test_zero_copy_weights_load_as_wide_as_slot_weights(kernel, constexprs, num_
     addr = vector_loads(kernel, {**constexprs, "ADDR": True}, num_warps)
     assert slot >= 4
     assert addr == slot
+
+
+# Compiles moe_grouped's gate/up kernel (Q4_K, the Qwen3-30B-A3B shapes) for sm_90 at the given
+# rows and warps and prints, per source line of mmvq_once.py, its PTX float multiply-adds
+# (`fma.rn.f32`) and negations, or "SKIP: why" if this triton cannot build.
+GROUPED_BUILD = r"""
+import json, re, sys
+import triton
+from collections import Counter
+from moestream.kernels import moe_grouped
+block_n, warps = json.loads(sys.argv[1])
+kernel = moe_grouped._gate_up_grouped_kernel
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(f"SKIP: {e}"); sys.exit(0)
+POINTERS = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32",
+            "block_expert_ptr": "*i32", "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8",
+            "h_ptr": "*fp32"}
+ALIGNED = {"stride_xq", "stride_ge", "stride_gn", "stride_ue", "stride_un"}
+constexprs = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=block_n,
+                  ASM=True, PDL=False)
+names = kernel.arg_names
+sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if n in POINTERS or n in ALIGNED}
+src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+try:
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this build
+    print(f"SKIP: {type(e).__name__}: {str(e)[:200]}"); sys.exit(0)
+ops, line = Counter(), None
+for text in compiled.asm["ptx"].splitlines():
+    loc = re.search(r"\.loc.*//\s*mmvq_once\.py:(\d+)", text)
+    if text.strip().startswith(".loc"):
+        line = loc.group(1) if loc else None
+    for op in ("fma.rn.f32", "neg.f32"):
+        if op in text and line:
+            ops[f"{op}:{line}"] += 1
+print(json.dumps(ops))
+"""
+
+
+def grouped_float_ops(block_n: int, num_warps: int) -> dict[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", GROUPED_BUILD, json.dumps([block_n, num_warps])],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.strip().splitlines()[-1]
+    if out.startswith("SKIP:"):
+        pytest.skip(f"cannot build for sm_90 here ({out[5:].strip()})")
+    return json.loads(out)
+
+
+def test_q4_k_min_term_rounds_once_in_every_layout():
+    """The Q4_K partial sum's last step, `part - dmin * m` on the half that holds the min term,
+    is one fma in every build of the grouped gate/up, whatever its rows and warps. Written as a
+    multiply, a select and a subtract, the compiler contracted it into an fma only where the
+    layout let it fold the select (one warp: neg + fma.rn; two: selp + sub): one rounding in
+    some builds, two in others, and the bits changed with the launch shape on the H200."""
+    import inspect
+
+    from moestream.kernels import mmvq_once
+
+    src, first = inspect.getsourcelines(mmvq_once._once_q4_k.fn)
+    scale_line = first + next(i for i, s in enumerate(src) if "tl.fma(d * sc0" in s)
+    min_line = first + next(i for i, s in enumerate(src) if "-dmin" in s)
+    for block_n, warps in ((8, 2), (8, 1), (16, 4)):
+        ops = grouped_float_ops(block_n, warps)
+        assert not any(k.startswith("neg.f32") for k in ops), ops
+        scale_fmas = ops.get(f"fma.rn.f32:{scale_line}", 0)
+        assert scale_fmas > 0, ops
+        # per output element one fma for the scales and two for the min term (its m and the
+        # term itself), on the h == 0 half only: as many as the scale fmas in every layout
+        assert ops.get(f"fma.rn.f32:{min_line}", 0) == 2 * scale_fmas, ops
