@@ -85,9 +85,9 @@ class MoeGroupedConfig:
 # One warp for the gate/up programs (2026-12-01, the 30B's batched decode, off/on/on/off): 16
 # requests 1,533 -> 1,590 tok/s (+3.7%), 32 requests 2,262 -> 2,398 (+6.0%). At 4 assignments a
 # block the sm_90 build of one warp spills (1,160 bytes, `python bench/sm90_builds.py
-# --decode`), so that shape keeps two. The gate/up's warps and rows change the output's bits on
-# the H200 (a test of the opposite failed there), so this default changed the bits of batched
-# decode at 16-40 tokens; `--deterministic` does not take this path (`ops.batch_invariant`).
+# --decode`), so that shape keeps two. The gate/up's warps and rows changed the output's bits
+# on the H200 (the compiler contracted the K-quants' min term in some layouts only, now an
+# explicit fma: `mmvq._acc_q4_k`; the GPU test is to be run again).
 DEFAULT_CONFIG = MoeGroupedConfig(block_m=2, up_warps=1)
 
 
