@@ -924,7 +924,14 @@ PY
     ;;
   s13a)  # next session: the 30B tuned with its compiles ahead (`--jobs`); its decode at 1 and 8
     # requests with the cache and without, in turn; 8 requests with the grouped gate/up in one
-    # warp (the default since 2026-12-01) and in two, in turn
+    # warp (the default since 2026-12-01) and in two, in turn. First the GPU tests of the
+    # kernels whose K-quant min term became an explicit fma (b04ed07), the grouped gate/up's
+    # bits across warps and rows among them, and greedy text GPU vs CPU.
+    timeout 200 python3 -m pytest tests/kernels/test_mmvq.py tests/kernels/test_moe_grouped.py \
+      tests/kernels/test_moe_kernel.py tests/kernels/test_tuning.py -q -p no:cacheprovider \
+      2>&1 | tail -4
+    timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
+      --json "$out/greedy.json" 2>&1 | tail -3
     synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 300 1,2
     for arm in off1 on1 on2 off2; do
       MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
