@@ -1,8 +1,9 @@
 """Plot the fused MoE's paths against the tokens in a step, from the logs of
 `bench/kernels_gpu.py --sweep-moe-grouped` / `--sweep-moe-grouped-small` (one Qwen3-30B-A3B
-layer): us per layer of mmvq, mmq and the grouped path in the shape `moe_grouped.grouped_config`
-gives each T now (whatever a log marked as its default then), and the time the routed experts'
-bytes take at the copy bandwidth the log measured (the floor).
+layer): us per layer of mmvq, mmq and the grouped path with the assignments a block that
+`moe_grouped.grouped_config` gives each T now and the sweep's other fields (`MoeGroupedConfig()`:
+the logs predate the one-warp gate/up default, whatever a log marked as its default then), and
+the time the routed experts' bytes take at the copy bandwidth the log measured (the floor).
 
     python bench/plot_moe_paths.py LOG [LOG ...] --out moe_paths.png
 
@@ -16,14 +17,21 @@ import re
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from moestream.kernels.moe_grouped import grouped_config  # noqa: E402
+from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config  # noqa: E402
 
 ROW = re.compile(r"^\s+T=\s*(\d+)\s+([\d.]+) us\s+([\d,]+) GB/s\s+\d+%\s+err \S+\s+(.*)$")
 COPY = re.compile(r"^copy bandwidth ([\d,]+) GB/s")
+
+
+def swept_shape(t: int) -> MoeGroupedConfig:
+    """The logged grouped shape for T tokens of 8 experts in 128: today's assignments a block,
+    the sweep's defaults for the rest."""
+    return replace(MoeGroupedConfig(), block_m=grouped_config(t * 8, 128).block_m)
 
 
 def read(paths: list[Path]) -> tuple[dict[str, dict[int, list[float]]], dict[int, list[float]]]:
@@ -43,8 +51,8 @@ def read(paths: list[Path]) -> tuple[dict[str, dict[int, list[float]]], dict[int
                 name = label.split()[0]
                 if name == "mmvq" and copy_gbs:  # bytes read = us * GB/s
                     floor[t].append(us * float(gbs.replace(",", "")) / copy_gbs)
-            elif label.removesuffix(" (default)") == f"grouped {grouped_config(t * 8, 128)}":
-                name = "grouped (today's shape for T)"
+            elif label.removesuffix(" (default)") == f"grouped {swept_shape(t)}":
+                name = "grouped (today's block for T)"
             else:
                 continue
             times[name][t].append(us)

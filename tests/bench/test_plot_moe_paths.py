@@ -24,8 +24,8 @@ def plot():
 def test_reads_the_paths_and_the_floor(plot) -> None:
     logs = [LOGS / "r3_sweep_moe_grouped.log", LOGS / "r5_sweep_moe_grouped_small.log"]
     times, floor = plot.read(logs)
-    grouped = times["grouped (today's shape for T)"]
-    # the shape grouped_config gives each T now: 2 a block at 16 tokens (both runs), 4 at 64
+    grouped = times["grouped (today's block for T)"]
+    # the assignments a block grouped_config gives each T now: 2 at 16 tokens (both runs), 4 at 64
     assert grouped[16] == [154.7, 159.4] and grouped[64] == [366.4]
     assert times["mmq"][64] == [422.2] and times["mmvq"][8] == [111.7]
     assert all(0 < f < min(grouped[t]) for t in grouped for f in floor[t])
