@@ -153,7 +153,8 @@ def test_q4_k_min_term_rounds_once_in_every_layout():
     is one fma in every build of the grouped gate/up, whatever its rows and warps. Written as a
     multiply, a select and a subtract, the compiler contracted it into an fma only where the
     layout let it fold the select (one warp: neg + fma.rn; two: selp + sub): one rounding in
-    some builds, two in others, and the bits changed with the launch shape on the H200."""
+    some builds, two in others, and the bits changed with the launch shape on the H200. (A
+    `neg.f32` of dmin itself is fine: Triton 3.9 negates with it, 3.6 with a subtract.)"""
     import inspect
 
     from moestream.kernels import mmvq_once
@@ -163,7 +164,6 @@ def test_q4_k_min_term_rounds_once_in_every_layout():
     min_line = first + next(i for i, s in enumerate(src) if "-dmin" in s)
     for block_n, warps in ((8, 2), (8, 1), (16, 4)):
         ops = grouped_float_ops(block_n, warps)
-        assert not any(k.startswith("neg.f32") for k in ops), ops
         scale_fmas = ops.get(f"fma.rn.f32:{scale_line}", 0)
         assert scale_fmas > 0, ops
         # per output element one fma for the scales and two for the min term (its m and the
