@@ -8,60 +8,73 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-# Compiles `kernel` of moestream.kernels.moe_mmvq with the given constexprs for sm_90 (pointers
-# and strides 16-byte aligned, as a launch with aligned tensors specializes them) and prints
-# the number of 128-bit global loads in its PTX, or "SKIP: why" if this triton cannot build.
+# Compiles KERNEL of moestream.kernels.MODULE with the given constexprs and warps for sm_90
+# (the pointers named typed as given, and they and the integer arguments named 16-byte aligned,
+# as a launch with aligned tensors specializes them) and prints its PTX, or "SKIP: why" if this
+# triton cannot build.
 BUILD = r"""
-import json, re, sys
+import importlib, json, sys
 import triton
-from moestream.kernels import moe_mmvq
-POINTERS = {
-    "xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64",
-    "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8", "d_ptr": "*u8", "hq_ptr": "*i32",
-    "hd_ptr": "*fp32", "hs_ptr": "*fp32", "addr_ptr": "*i64", "part_ptr": "*fp32",
-    "hf_ptr": "*fp32", "count_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
-}
-ALIGNED = {"stride_xq", "stride_xd", "stride_ge", "stride_gn", "stride_ue", "stride_un",
-           "stride_de", "stride_dn", "stride_ot"}
-name, constexprs, warps = json.loads(sys.argv[1])
-kernel = getattr(moe_mmvq, name)
+module, name, constexprs, warps, pointers, aligned = json.loads(sys.argv[1])
+kernel = getattr(importlib.import_module(f"moestream.kernels.{module}"), name)
 try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 except ImportError as e:
     print(f"SKIP: {e}"); sys.exit(0)
 names = kernel.arg_names
-sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
+sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-         if n in POINTERS or n in ALIGNED}
+         if n in pointers or n in aligned}
 src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 try:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this build
     print(f"SKIP: {type(e).__name__}: {str(e)[:200]}"); sys.exit(0)
-print(len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", compiled.asm["ptx"])))
+print(compiled.asm["ptx"])
 """
 
 
-def vector_loads(kernel: str, constexprs: dict, num_warps: int) -> int:
-    """128-bit global loads in the sm_90 PTX of moe_mmvq.`kernel` (see BUILD)."""
+def sm90_ptx(
+    module: str, kernel: str, constexprs: dict, num_warps: int, pointers: dict, aligned: set
+) -> str:
+    """The sm_90 PTX of moestream.kernels.`module`.`kernel` (see BUILD), built in a child
+    process; skips the test where this triton cannot build for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([module, kernel, constexprs, num_warps, pointers, sorted(aligned)])
     run = subprocess.run(
-        [sys.executable, "-c", BUILD, json.dumps([kernel, constexprs, num_warps])],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [sys.executable, "-c", BUILD, args], capture_output=True, text=True, env=env, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout.strip().splitlines()[-1]
+    out = run.stdout.strip()
     if out.startswith("SKIP:"):
         pytest.skip(f"cannot build for sm_90 here ({out[5:].strip()})")
-    return int(out)
+    return out
+
+
+MMVQ_POINTERS = {
+    "xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "ids_ptr": "*i64",
+    "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8", "d_ptr": "*u8", "hq_ptr": "*i32",
+    "hd_ptr": "*fp32", "hs_ptr": "*fp32", "addr_ptr": "*i64", "part_ptr": "*fp32",
+    "hf_ptr": "*fp32", "count_ptr": "*i32", "weights_ptr": "*fp32", "out_ptr": "*bf16",
+}  # fmt: skip
+MMVQ_ALIGNED = {"stride_xq", "stride_xd", "stride_ge", "stride_gn", "stride_ue", "stride_un",
+                "stride_de", "stride_dn", "stride_ot"}  # fmt: skip
+
+
+def vector_loads(kernel: str, constexprs: dict, num_warps: int) -> int:
+    """128-bit global loads in the sm_90 PTX of moe_mmvq.`kernel`."""
+    ptx = sm90_ptx("moe_mmvq", kernel, constexprs, num_warps, MMVQ_POINTERS, MMVQ_ALIGNED)
+    return len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.b32", ptx))
 
 
 # The launches of zero-copy placement (`ops` passes `moe_mmvq.ZERO_COPY_CONFIG`: the tile
@@ -93,59 +106,29 @@ def test_zero_copy_weights_load_as_wide_as_slot_weights(kernel, constexprs, num_
     assert addr == slot
 
 
-# Compiles moe_grouped's gate/up kernel (Q4_K, the Qwen3-30B-A3B shapes) for sm_90 at the given
-# rows and warps and prints, per source line of mmvq_once.py, its PTX float multiply-adds
-# (`fma.rn.f32`) and negations, or "SKIP: why" if this triton cannot build.
-GROUPED_BUILD = r"""
-import json, re, sys
-import triton
-from collections import Counter
-from moestream.kernels import moe_grouped
-block_n, warps = json.loads(sys.argv[1])
-kernel = moe_grouped._gate_up_grouped_kernel
-try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError as e:
-    print(f"SKIP: {e}"); sys.exit(0)
-POINTERS = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32",
-            "block_expert_ptr": "*i32", "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8",
-            "h_ptr": "*fp32"}
-ALIGNED = {"stride_xq", "stride_ge", "stride_gn", "stride_ue", "stride_un"}
-constexprs = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=block_n,
-                  ASM=True, PDL=False)
-names = kernel.arg_names
-sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-         if n in POINTERS or n in ALIGNED}
-src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
-try:
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this build
-    print(f"SKIP: {type(e).__name__}: {str(e)[:200]}"); sys.exit(0)
-ops, line = Counter(), None
-for text in compiled.asm["ptx"].splitlines():
-    loc = re.search(r"\.loc.*//\s*mmvq_once\.py:(\d+)", text)
-    if text.strip().startswith(".loc"):
-        line = loc.group(1) if loc else None
-    for op in ("fma.rn.f32", "neg.f32"):
-        if op in text and line:
-            ops[f"{op}:{line}"] += 1
-print(json.dumps(ops))
-"""
+GROUPED_POINTERS = {
+    "xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32",
+    "block_expert_ptr": "*i32", "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8",
+    "h_ptr": "*fp32",
+}  # fmt: skip
+GROUPED_ALIGNED = {"stride_xq", "stride_ge", "stride_gn", "stride_ue", "stride_un"}
 
 
-def grouped_float_ops(block_n: int, num_warps: int) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", GROUPED_BUILD, json.dumps([block_n, num_warps])],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout.strip().splitlines()[-1]
-    if out.startswith("SKIP:"):
-        pytest.skip(f"cannot build for sm_90 here ({out[5:].strip()})")
-    return json.loads(out)
+def grouped_float_ops(block_n: int, num_warps: int) -> Counter:
+    """The float multiply-adds (`fma.rn.f32`) per source line of mmvq_once.py in the sm_90 PTX
+    of moe_grouped's gate/up kernel (Q4_K, the Qwen3-30B-A3B shapes, 2 assignments a block)."""
+    constexprs = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=block_n,
+                      ASM=True, PDL=False)  # fmt: skip
+    ptx = sm90_ptx("moe_grouped", "_gate_up_grouped_kernel", constexprs, num_warps,
+                   GROUPED_POINTERS, GROUPED_ALIGNED)  # fmt: skip
+    ops, line = Counter(), None
+    for text in ptx.splitlines():
+        if text.strip().startswith(".loc"):
+            loc = re.search(r"//\s*mmvq_once\.py:(\d+)", text)
+            line = loc.group(1) if loc else None
+        if "fma.rn.f32" in text and line:
+            ops[f"fma.rn.f32:{line}"] += 1
+    return ops
 
 
 def test_q4_k_min_term_rounds_once_in_every_layout():
