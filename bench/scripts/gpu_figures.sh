@@ -209,6 +209,13 @@ cfg_ab() {  # cfg_ab MODULE NAME=FIELDS...: the 30B's decode (ab_decode, 32 toke
   done
 }
 moe_ab() { cfg_ab moe_mmvq "$@"; }
+tune_ab() {  # the 30B's decode without and with /tmp/mcache (off, on, on, off; 32 tokens)
+  local arm
+  for arm in off1 on1 on2 off2; do
+    MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
+      ab_decode tune "$arm" "" 100
+  done
+}
 tune_model() {  # tune_model FILE NAME SECONDS BATCHES: `moestream tune` into /tmp/mcache
   timeout "$3" python3 -c "import sys; from moestream.cli import main; sys.exit(main())" tune \
     "$1" --device cuda --cache-dir /tmp/mcache --batch-sizes "$4" 2> "/tmp/r/tune_$2.err" \
@@ -915,10 +922,7 @@ PY
     # budget of 0.25%
     synth qwen3-30b-a3b q30
     grep -q q30 /tmp/mcache/tuned 2>/dev/null || tune_model /tmp/q30.gguf q30 240 1,2
-    for arm in off1 on1 on2 off2; do
-      MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
-        ab_decode tune "$arm" "" 100
-    done
+    tune_ab
     timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
@@ -933,10 +937,7 @@ PY
     timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
       --json "$out/greedy.json" 2>&1 | tail -3
     synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 300 1,2
-    for arm in off1 on1 on2 off2; do
-      MOESTREAM_CACHE_DIR=/tmp/mcache MOESTREAM_TUNE_CACHE=${arm%?} AB_TOKENS=32 \
-        ab_decode tune "$arm" "" 100
-    done
+    tune_ab
     AB_CONC=8 cfg_ab moe_grouped w1a= w2a="up_warps=2" w2b="up_warps=2" w1b=
     ;;
   q8) synth qwen3-8b q8; q8 ;;

@@ -553,6 +553,12 @@ LONG_K_ONE_WARP = True
 ONE_WARP_MIN_GROUPS = 8
 
 
+def _one_warp_groups() -> int:
+    """Groups from which M = 1 "once" GEMVs take one warp (0: never), read at each call so that
+    a patched `LONG_K_ONE_WARP` / `ONE_WARP_MIN_GROUPS` is a key of the memoized configs."""
+    return ONE_WARP_MIN_GROUPS if LONG_K_ONE_WARP else 0
+
+
 def mmvq_config(
     n: int,
     k: int,
@@ -563,26 +569,14 @@ def mmvq_config(
     qtype: GGMLQuantizationType | None = None,
     device: torch.device | None = None,
 ) -> MmvqConfig:
-    """`default_mmvq_config`; for the "once" variant, given the weight's `qtype` and the
-    `device`, with the rows per program and warps that `moestream tune` cached for that device
-    and shape (`kernels.tuning`: they leave a row's arithmetic, hence its bits, as they are)."""
-    cfg = default_mmvq_config(n, k, sms, m_block, variant, padded)
+    """The hand-made launch shape (`_default_config`, memoized: `mmvq` asks on every call);
+    for the "once" variant, given the weight's `qtype` and the `device`, with the rows per
+    program and warps that `moestream tune` cached for that device and shape
+    (`kernels.tuning`: they leave a row's arithmetic, hence its bits, as they are)."""
+    cfg = _default_config(n, k, sms, m_block, variant, padded, _one_warp_groups())
     if qtype is None or device is None or cfg.variant != "once":
         return cfg
     return tuned(device, DenseShape(weight_label(qtype, padded), n, k, m_block), cfg)
-
-
-def default_mmvq_config(
-    n: int,
-    k: int,
-    sms: int,
-    m_block: int = 1,
-    variant: str = DEFAULT_VARIANT,
-    padded: bool = False,
-) -> MmvqConfig:
-    """The hand-made launch shape (`_default_config`, memoized: `mmvq` asks on every call)."""
-    one_warp = ONE_WARP_MIN_GROUPS if LONG_K_ONE_WARP else 0
-    return _default_config(n, k, sms, m_block, variant, padded, one_warp)
 
 
 @lru_cache(maxsize=4096)
@@ -712,9 +706,9 @@ def mmvq(
 
 
 def default_pair_config(n: int, k: int, sms: int, m_block: int) -> MmvqConfig:
-    """`mmvq_pair`'s launch shape for N + N2 = n rows: `default_mmvq_config`'s "once" shape,
+    """`mmvq_pair`'s launch shape for N + N2 = n rows: `mmvq_config`'s default "once" shape,
     without its K split (then up to 8 groups a step). Memoized."""
-    return _pair_config(n, k, sms, m_block, ONE_WARP_MIN_GROUPS if LONG_K_ONE_WARP else 0)
+    return _pair_config(n, k, sms, m_block, _one_warp_groups())
 
 
 @lru_cache(maxsize=1024)
@@ -790,7 +784,6 @@ __all__ = [
     "mmvq",
     "mmvq_pair",
     "mmvq_config",
-    "default_mmvq_config",
     "default_pair_config",
     "mmvq_ref",
     "quantize_q8",

@@ -95,7 +95,7 @@ def candidates(shape: Shape, default: Any) -> list[Any]:
 def default_config(shape: Shape, device: torch.device) -> Any:
     """The launch shape the kernels take for `shape` without the cache."""
     from moestream.kernels._triton_dequant import num_sms
-    from moestream.kernels.mmvq import default_mmvq_config, default_pair_config
+    from moestream.kernels.mmvq import default_pair_config, mmvq_config
     from moestream.kernels.moe_mmvq import DEFAULT_CONFIG
 
     if isinstance(shape, MoeShape):
@@ -104,7 +104,7 @@ def default_config(shape: Shape, device: torch.device) -> Any:
     if isinstance(shape, PairShape):
         return default_pair_config(shape.n + shape.n2, shape.k, sms, shape.m_block)
     padded = parse_label(shape.weight)[1]
-    return default_mmvq_config(shape.n, shape.k, sms, shape.m_block, "once", padded)
+    return mmvq_config(shape.n, shape.k, sms, shape.m_block, "once", padded)  # no qtype: untuned
 
 
 # ---- workloads and timing ----------------------------------------------------------------------
