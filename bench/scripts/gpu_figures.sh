@@ -119,8 +119,9 @@
 #                                        text and the 30B's decode with the cache and without
 #   bench/scripts/gpu_figures.sh s12b    the 30B's decode with the tune cache and without;
 #                                        tiny-pair sampled step phases (prose, 10 rounds)
-#   bench/scripts/gpu_figures.sh s13a    the 30B tuned (compiles ahead), decode A/B with the
-#                                        cache; 8 requests, grouped gate/up one warp vs two
+#   bench/scripts/gpu_figures.sh s13a    GPU kernel tests, greedy GPU vs CPU, the 30B synthesised
+#   bench/scripts/gpu_figures.sh s13b    the 30B tuned (compiles ahead), decode A/B with the cache
+#   bench/scripts/gpu_figures.sh s13c    8 requests, grouped gate/up one warp vs two
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -926,7 +927,7 @@ PY
     timeout 200 python3 bench/spec_phases.py --kind prose --rounds 10 --temperature 1.0 \
       --modes plain,plain#2,auto 2>&1 | grep -v "^USDT\|^round" | tee "$out/phases_t1.txt"
     ;;
-  s13a)  # next session: the 30B tuned with its compiles ahead (`--jobs`); its decode at 1 and 8
+  s13a)  # next session (then s13b, s13c): the 30B tuned with its compiles ahead (`--jobs`); its decode at 1 and 8
     # requests with the cache and without, in turn; 8 requests with the grouped gate/up in one
     # warp (the default since 2026-12-01) and in two, in turn. First the GPU tests of the
     # kernels whose K-quant min term became an explicit fma (b04ed07), the grouped gate/up's
@@ -936,8 +937,14 @@ PY
       2>&1 | tail -4
     timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
       --json "$out/greedy.json" 2>&1 | tail -3
-    synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 300 1,2
+    synth qwen3-30b-a3b q30
+    ;;
+  s13b)  # s13a's tune and its decode A/B (needs s13a's /tmp/q30.gguf on a warm machine)
+    synth qwen3-30b-a3b q30; tune_model /tmp/q30.gguf q30 330 1,2
     tune_ab
+    ;;
+  s13c)  # s13a's 8-request grouped gate/up A/B
+    synth qwen3-30b-a3b q30
     AB_CONC=8 cfg_ab moe_grouped w1a= w2a="up_warps=2" w2b="up_warps=2" w1b=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
