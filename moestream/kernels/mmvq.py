@@ -60,6 +60,7 @@ from moestream.kernels._triton_dequant import (
     reduce_split_k,
     split_k_target,
 )
+from moestream.kernels.exact import FP_EXACT
 from moestream.kernels.ops import MMVQ_DENSE_QTYPES, MMVQ_QTYPES
 from moestream.kernels.pdl import pdl_args, pdl_start
 from moestream.kernels.tuning import DenseShape, PairShape, tuned, weight_label
@@ -487,6 +488,7 @@ def quantize_q8(x: torch.Tensor, blocks: int = 8) -> Q8Act:
             BLOCKS=blocks,
             num_warps=4,
             **pdl_args(x.device),
+            **FP_EXACT,  # x * inv + 0.5 rounded twice, as quantize_q8_ref
         )
     return Q8Act(q, d, s)
 

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 
 from moestream.kernels._triton_dequant import Q6_K, Q6_KP, kernel_qtype
 from moestream.kernels.arrival import arrival_counters, check_counters, last_to_arrive
+from moestream.kernels.exact import FP_EXACT, silu_rn
 from moestream.kernels.mmvq import (
     MMVQ_QTYPES,
     Q8Act,
@@ -151,7 +152,7 @@ def _gate_up_rows(g_rows, u_rows, xq, xd, xs, g_lo, GROUPS: tl.constexpr, QG: tl
 def _store_h_q8(g, u, hq_ptr, hd_ptr, hs_ptr, a, blk, F: tl.constexpr):
     """h = silu(g) * u ([1, 32], F rows blk * 32 ..) rounded to one q8 block of assignment a's
     row of hq [A, F/4], hd and hs [A, F/32] (`mmvq.quantize_q8_ref`)."""
-    _store_q8(g * tl.sigmoid(g) * u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
+    _store_q8(silu_rn(g) * u, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
 
 
 @triton.jit
@@ -299,7 +300,7 @@ def _gate_up_once_kernel(
                     stride_un, QU, G, H_GROUPS, BLOCK_N, xq, xd, xs, ASM)  # fmt: skip
     g = tree_sum(tl.permute(pg, (2, 3, 0, 1)), 1, BLOCK_N, 2 * RG)  # [1, BLOCK_N]
     u = tree_sum(tl.permute(pu, (2, 3, 0, 1)), 1, BLOCK_N, 2 * RU)
-    h = g * tl.sigmoid(g) * u
+    h = silu_rn(g) * u
     blk = (nb * BLOCK_N) // 32
     if BLOCK_N == 32:
         _store_q8(h, hq_ptr, hd_ptr, hs_ptr, a, blk, F)
@@ -580,7 +581,7 @@ def fused_moe_mmvq(
             F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=groups,
             BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
             num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
-            **pdl_args(out.device),
+            **pdl_args(out.device), **FP_EXACT,
         )  # fmt: skip
     else:
         split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
@@ -594,7 +595,7 @@ def fused_moe_mmvq(
             F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
             G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
             FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
-            num_warps=cfg.up_warps, **pdl_args(out.device),
+            num_warps=cfg.up_warps, **pdl_args(out.device), **FP_EXACT,
         )  # fmt: skip
     split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
     chunk = _divisor_at_most(k // split, cfg.down_experts)
@@ -609,6 +610,6 @@ def fused_moe_mmvq(
         QD=kernel_qtype(down), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
         G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk, SPLIT=split,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
-        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device),
+        ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device), **FP_EXACT,
     )  # fmt: skip
     return out

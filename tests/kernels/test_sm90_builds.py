@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 BUILD = r"""
 import importlib, json, sys
 import triton
-module, name, constexprs, warps, pointers, aligned = json.loads(sys.argv[1])
+module, name, constexprs, warps, pointers, aligned, options = json.loads(sys.argv[1])
 kernel = getattr(importlib.import_module(f"moestream.kernels.{module}"), name)
 try:
     from triton.backends.compiler import GPUTarget
@@ -37,7 +37,8 @@ attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
          if n in pointers or n in aligned}
 src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
 try:
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    options = {"num_warps": warps, **options}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 except (FileNotFoundError, RuntimeError) as e:  # no ptxas in this build
     print(f"SKIP: {type(e).__name__}: {str(e)[:200]}"); sys.exit(0)
 print(compiled.asm["ptx"])
@@ -45,12 +46,20 @@ print(compiled.asm["ptx"])
 
 
 def sm90_ptx(
-    module: str, kernel: str, constexprs: dict, num_warps: int, pointers: dict, aligned: set
+    module: str,
+    kernel: str,
+    constexprs: dict,
+    num_warps: int,
+    pointers: dict,
+    aligned: set,
+    options: dict | None = None,
 ) -> str:
-    """The sm_90 PTX of moestream.kernels.`module`.`kernel` (see BUILD), built in a child
-    process; skips the test where this triton cannot build for sm_90."""
+    """The sm_90 PTX of moestream.kernels.`module`.`kernel` (see BUILD; `options`: more
+    compile options, as a launch passes them), built in a child process; skips the test where
+    this triton cannot build for sm_90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([module, kernel, constexprs, num_warps, pointers, sorted(aligned)])
+    args = [module, kernel, constexprs, num_warps, pointers, sorted(aligned), options or {}]
+    args = json.dumps(args)
     run = subprocess.run(
         [sys.executable, "-c", BUILD, args], capture_output=True, text=True, env=env, timeout=600
     )
@@ -152,3 +161,48 @@ def test_q4_k_min_term_rounds_once_in_every_layout():
         # per output element one fma for the scales and two for the min term (its m and the
         # term itself), on the h == 0 half only: as many as the scale fmas in every layout
         assert ops.get(f"fma.rn.f32:{min_line}", 0) == 2 * scale_fmas, ops
+
+
+# The decode MoE kernels of both paths and the q8 rounding, at the Qwen3-30B-A3B shapes (Q4_K
+# gate/up, Q6_K and Q4_K down), as they launch (`kernels.exact.FP_EXACT`).
+ONCE = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_N=4, ADDR=False, ASM=True)
+ONCE["PDL"] = True
+GROUPED_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=8, ASM=True)
+GROUPED_UP["PDL"] = True
+GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True)
+GROUPED_DOWN_POINTERS = {**GROUPED_POINTERS, "hq_ptr": "*i32", "hd_ptr": "*fp32",
+                         "hs_ptr": "*fp32", "d_ptr": "*u8", "weights_ptr": "*fp32",
+                         "y_ptr": "*fp32"}  # fmt: skip
+Q8_POINTERS = {"x_ptr": "*fp32", "q_ptr": "*i32", "d_ptr": "*fp32", "s_ptr": "*fp32"}
+EXACT_BUILDS = {
+    "once gate/up": ("moe_mmvq", "_gate_up_once_kernel", ONCE, 1, MMVQ_POINTERS, MMVQ_ALIGNED),
+    "tile gate/up": ("moe_mmvq", "_gate_up_mmvq_kernel", GATE_UP, 8, MMVQ_POINTERS,
+                     MMVQ_ALIGNED),
+    "down Q4_K": ("moe_mmvq", "_down_mmvq_kernel", DOWN, 4, MMVQ_POINTERS, MMVQ_ALIGNED),
+    "down Q6_K": ("moe_mmvq", "_down_mmvq_kernel", {**DOWN, "QD": 14, "BLOCK_N": 8}, 1,
+                  MMVQ_POINTERS, MMVQ_ALIGNED),
+    "grouped gate/up": ("moe_grouped", "_gate_up_grouped_kernel", GROUPED_UP, 1,
+                        GROUPED_POINTERS, GROUPED_ALIGNED),
+    "grouped down": ("moe_grouped", "_down_grouped_kernel", GROUPED_DOWN, 1,
+                     GROUPED_DOWN_POINTERS, {"stride_de", "stride_dn"}),
+    "q8 rounding": ("mmvq", "_quantize_q8_kernel", dict(BLOCKS=8, PDL=True), 4, Q8_POINTERS,
+                    {"stride_xm", "stride_qm", "stride_dm"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("build", sorted(EXACT_BUILDS))
+def test_decode_moe_builds_round_every_float_op_as_written(build: str) -> None:
+    """In the sm_90 builds of the decode MoE kernels, launched with `FP_EXACT`, every f32
+    multiply, add and subtract rounds on its own (`.rn`: neither LLVM nor ptxas contracts it),
+    and no approximate instruction is left (`tl.sigmoid` gave `ex2.approx` and `div.full`):
+    their bits are a function of their source, which the CPU can reproduce
+    (`kernels.exact`)."""
+    from moestream.kernels.exact import FP_EXACT
+
+    module, kernel, constexprs, warps, pointers, aligned = EXACT_BUILDS[build]
+    ptx = sm90_ptx(module, kernel, constexprs, warps, pointers, aligned, FP_EXACT)
+    ops = Counter(re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+(?:\.[a-z0-9]+)*)", ptx, re.M))
+    loose = {op: n for op, n in ops.items() if re.fullmatch(r"(mul|add|sub)(\.ftz)?\.f32", op)}
+    approx = {op: n for op, n in ops.items() if ".approx" in op or op.startswith("div.full")}
+    assert not loose and not approx, (loose, approx)
+    assert sum(n for op, n in ops.items() if op in ("mul.rn.f32", "add.rn.f32")) > 0, ops
