@@ -532,6 +532,67 @@ def check_xa(xa: Q8Act, x: torch.Tensor) -> None:
         raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
 
 
+def gate_up_q8(
+    xa: Q8Act,
+    topk_ids: torch.Tensor,
+    gate: QTensor,
+    up: QTensor,
+    expert_slot: torch.Tensor | None,
+    expert_addr: torch.Tensor | None,
+    cfg: MoeMmvqConfig,
+    counters: torch.Tensor | None,
+    hf: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "mmvq" path's gate/up launch: h = silu(gate x) * up x of every assignment (token
+    a // k against expert topk_ids[a]), rounded to q8 blocks -> (hq [A, F/4] int32 words,
+    hd [A, F/32], hs [A, F/32] float32), as the down kernel reads them. `hf` (float32 [A, F]):
+    the "once" kernel's buffer for h before rounding where it takes fewer than 32 rows a
+    program (tests read it)."""
+    a, k, h, f = topk_ids.numel(), topk_ids.shape[1], gate.shape[2], gate.shape[1]
+    hq = torch.empty((a, f // 4), dtype=torch.int32, device=xa.q.device)  # [A, F/4]
+    hd = torch.empty((a, f // 32), dtype=torch.float32, device=xa.q.device)  # [A, F/32]
+    hs = torch.empty_like(hd)
+    use_addr = expert_addr is not None
+    addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
+    n_addr = expert_addr.shape[1] if use_addr else 0
+    slot = expert_slot if expert_slot is not None else topk_ids  # likewise
+    asm = use_asm(xa.q.device)
+    strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
+    if cfg.up_once:
+        block_n = cfg.up_block_n
+        count = hd  # unused pointers when a program writes whole q8 blocks
+        if block_n < 32:
+            if hf is None:
+                hf = torch.empty((a, f), dtype=torch.float32, device=xa.q.device)
+            count = _arrivals(counters, a * (f // 32), xa.q.device)
+        else:
+            hf = hd
+        groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
+        _gate_up_once_kernel[(a, f // block_n)](
+            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
+            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
+            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=groups,
+            BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
+            num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
+            **pdl_args(xa.q.device), **FP_EXACT,
+        )  # fmt: skip
+    else:
+        split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
+        part = count = hd  # unused pointers without a split
+        if split > 1:
+            part = torch.empty((split, 2, a, f), dtype=torch.float32, device=xa.q.device)
+            count = _arrivals(counters, a * (f // 32), xa.q.device)
+        _gate_up_mmvq_kernel[(a, f // 32, split)](
+            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
+            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
+            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
+            G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
+            FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
+            num_warps=cfg.up_warps, **pdl_args(xa.q.device), **FP_EXACT,
+        )  # fmt: skip
+    return hq, hd, hs
+
+
 def fused_moe_mmvq(
     x: torch.Tensor,
     xa: Q8Act | None,
@@ -554,49 +615,16 @@ def fused_moe_mmvq(
     t, h = x.shape
     k = topk_ids.shape[1]
     f = gate.shape[1]
-    a = t * k
     if xa is None:
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
     else:
         check_xa(xa, x)
-    hq = torch.empty((a, f // 4), dtype=torch.int32, device=x.device)  # [A, F/4]
-    hd = torch.empty((a, f // 32), dtype=torch.float32, device=x.device)  # [A, F/32]
-    hs = torch.empty_like(hd)
     use_addr = expert_addr is not None
     addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
     n_addr = expert_addr.shape[1] if use_addr else 0
     slot = expert_slot if expert_slot is not None else topk_ids  # likewise
     asm = use_asm(x.device)
-    strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
-    if cfg.up_once:
-        block_n = cfg.up_block_n
-        hf = count = hd  # unused pointers when a program writes whole q8 blocks
-        if block_n < 32:
-            hf = torch.empty((a, f), dtype=torch.float32, device=x.device)
-            count = _arrivals(counters, a * (f // 32), x.device)
-        groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
-        _gate_up_once_kernel[(a, f // block_n)](
-            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
-            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
-            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=groups,
-            BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
-            num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
-            **pdl_args(out.device), **FP_EXACT,
-        )  # fmt: skip
-    else:
-        split = _divisor_at_most(h // 256, cfg.up_split)  # K splits of whole groups
-        part = count = hd  # unused pointers without a split
-        if split > 1:
-            part = torch.empty((split, 2, a, f), dtype=torch.float32, device=x.device)
-            count = _arrivals(counters, a * (f // 32), x.device)
-        _gate_up_mmvq_kernel[(a, f // 32, split)](
-            xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, part, count,
-            n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
-            F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k,
-            G=min(cfg.up_groups, triton.next_power_of_2(h // 256 // split)), SPLIT=split,
-            FUSED=cfg.up_fused, TREE=cfg.up_tree, ADDR=use_addr, ASM=asm,
-            num_warps=cfg.up_warps, **pdl_args(out.device), **FP_EXACT,
-        )  # fmt: skip
+    hq, hd, hs = gate_up_q8(xa, topk_ids, gate, up, expert_slot, expert_addr, cfg, counters)
     split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
     chunk = _divisor_at_most(k // split, cfg.down_experts)
     blocks = triton.cdiv(h, cfg.down_block_n)

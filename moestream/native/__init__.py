@@ -1,0 +1,140 @@
+"""Native CPU code: the decode MoE's expert arithmetic as the GPU computes it (`experts.c`).
+
+The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) into the
+cache directory ($MOESTREAM_CACHE_DIR or ~/.cache/moestream, `native/`, named by a hash of the
+source and flags) and loaded with ctypes; calls release the GIL, so threads may run them side
+by side. Flags keep every float operation rounding as written: `-ffp-contract=off`, no
+`-ffast-math`. Where no compiler is found `NativeUnavailable` says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SOURCE = Path(__file__).with_name("experts.c")
+FLAGS = ["-O2", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+class NativeUnavailable(RuntimeError):
+    """The native code cannot be built here (no C compiler, or it failed)."""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MOESTREAM_CACHE_DIR") or Path.home() / ".cache" / "moestream"
+    return Path(base) / "native"
+
+
+def library() -> ctypes.CDLL:
+    """The compiled `experts.c` (built once per source, flags and compiler)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = _build()
+        return _lib
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise NativeUnavailable(f"no C compiler ({cc!r} not found; set CC)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"experts-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            tmp_out = Path(tmp) / out.name
+            run = subprocess.run(
+                [cc, *FLAGS, "-o", str(tmp_out), str(SOURCE), "-lm"],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if run.returncode != 0:
+                raise NativeUnavailable(f"{cc} failed on {SOURCE.name}: {run.stderr[-2000:]}")
+            os.replace(tmp_out, out)  # atomic: another process may build the same file
+    lib = ctypes.CDLL(str(out))
+    p = ctypes.c_void_p
+    lib.gate_up_q4_k.argtypes = [p, p, ctypes.c_int64, *[ctypes.c_int] * 4, *[p] * 7]
+    lib.gate_up_q4_k.restype = ctypes.c_int
+    lib.silu_rn_n.argtypes = [p, p, ctypes.c_int64]
+    lib.silu_rn_n.restype = None
+    return lib
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def gate_up_q4_k(
+    gate: np.ndarray,
+    up: np.ndarray,
+    xq: np.ndarray,
+    xd: np.ndarray,
+    xs: np.ndarray,
+    groups_per_step: int,
+    rows: tuple[int, int] | None = None,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    h_out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One token's h = silu(gate x) * (up x) of one expert, rounded to q8 blocks, with the bits
+    of the GPU's "once" gate/up kernel (`experts.c`).
+
+    gate, up: uint8 [F, K / 256 * 144] Q4_K rows; xq int8 [K], xd and xs float32 [K / 32] (x as
+    `kernels.mmvq.quantize_q8` rounds it); groups_per_step: the launch's G. `rows` (n0, n1),
+    multiples of 32, limits the work to those rows of `out` (hq int8 [F], hd, hs float32
+    [F / 32]), which are allocated when not given; `h_out` (float32 [F]) gets h before its
+    rounding."""
+    f, row_bytes = gate.shape
+    k = xq.shape[0]
+    for name, a, dtype in (("gate", gate, np.uint8), ("up", up, np.uint8), ("xq", xq, np.int8),
+                           ("xd", xd, np.float32), ("xs", xs, np.float32)):  # fmt: skip
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array")
+    if up.shape != gate.shape or xd.shape != (k // 32,) or xs.shape != (k // 32,):
+        raise ValueError("gate/up or the activation scales do not match")
+    if out is None:
+        out = (
+            np.empty(f, np.int8),
+            np.empty(f // 32, np.float32),
+            np.empty(f // 32, np.float32),
+        )
+    hq, hd, hs = out
+    n0, n1 = rows or (0, f)
+    if h_out is not None and (h_out.dtype != np.float32 or h_out.shape != (f,)):
+        raise ValueError(f"h_out must be float32 [{f}]")
+    rc = library().gate_up_q4_k(
+        _ptr(gate), _ptr(up), row_bytes, k, n0, n1, groups_per_step,
+        _ptr(xq), _ptr(xd), _ptr(xs), _ptr(hq), _ptr(hd), _ptr(hs),
+        None if h_out is None else _ptr(h_out),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"gate_up_q4_k cannot take K={k}, rows {n0}..{n1}, G={groups_per_step}, "
+            f"{row_bytes}-byte rows"
+        )
+    return hq, hd, hs
+
+
+def silu_rn(g: np.ndarray) -> np.ndarray:
+    """`experts.c`'s silu of float32 values (the GPU's `kernels.exact.silu_rn`)."""
+    g = np.ascontiguousarray(g, dtype=np.float32)
+    out = np.empty_like(g)
+    library().silu_rn_n(_ptr(g), _ptr(out), g.size)
+    return out
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's contiguous numpy view (copied when not contiguous)."""
+    return t.detach().cpu().contiguous().numpy()

@@ -1,0 +1,108 @@
+"""The native CPU expert arithmetic (`moestream/native/experts.c`) gives the GPU kernels' bits:
+checked against the Triton kernel under the interpreter with a correctly rounded fma
+(`kernels.exact.exact_interpreter`), which computes what the GPU build does (see
+`tests/kernels/test_sm90_builds.py` and the GPU test in `tests/kernels/test_exact.py`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moestream import native
+from moestream.weights.qtensor import QTensor
+from moestream.weights.quantize import quantize
+
+pytest.importorskip("triton", reason="triton is not installed")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "compares with the Triton interpreter (TRITON_INTERPRET=1)", allow_module_level=True
+    )
+try:
+    native.library()
+except native.NativeUnavailable as e:
+    pytest.skip(f"native code unavailable: {e}", allow_module_level=True)
+
+from moestream.kernels.exact import exact_interpreter  # noqa: E402
+from moestream.kernels.mmvq import quantize_q8  # noqa: E402
+from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, gate_up_q8  # noqa: E402
+
+
+def q4_k_stack(f: int, k: int, seed: int, scale: float = 0.05) -> QTensor:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(1, f, k, generator=g) * scale
+    return QTensor(torch.from_numpy(quantize(values, T.Q4_K)), T.Q4_K, (1, f, k))
+
+
+def bits(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    return np.asarray(a).view(np.int32) if np.asarray(a).dtype == np.float32 else np.asarray(a)
+
+
+@pytest.mark.parametrize(
+    ("k", "up_groups", "x_scale"),
+    [(512, 8, 1.0), (1024, 8, 3.0), (512, 1, 1.0), (768, 2, 0.2)],
+    ids=["K512", "K1024", "K512-two-steps", "K768-two-steps-masked"],
+)
+def test_gate_up_q4_k_has_the_once_kernels_bits(k: int, up_groups: int, x_scale: float) -> None:
+    """h = silu(gate x) * (up x) rounded to q8 blocks: the C code's hq, hd, hs equal the "once"
+    gate/up kernel's bit for bit, one step of all groups or several (K / 256 = 3 with G = 2: a
+    step's second group masked)."""
+    f = 64
+    gate, up = q4_k_stack(f, k, seed=k), q4_k_stack(f, k, seed=k + 1)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * x_scale
+    xa = quantize_q8(x)
+    cfg = replace(DEFAULT_CONFIG, up_groups=up_groups)
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    slot = torch.zeros(1, dtype=torch.int32)
+    hf = torch.full((1, f), float("nan"))
+    with exact_interpreter():
+        hq, hd, hs = gate_up_q8(xa, ids, gate, up, slot, None, cfg, None, hf=hf)
+    g = min(up_groups, 1 << (k // 256 - 1).bit_length())
+    h = np.full(f, np.nan, np.float32)
+    cq, cd, cs = native.gate_up_q4_k(
+        native.as_numpy(gate.data[0]), native.as_numpy(up.data[0]),
+        native.as_numpy(xa.q[0]).view(np.int8), native.as_numpy(xa.d[0]),
+        native.as_numpy(xa.s[0]), g, h_out=h,
+    )  # fmt: skip
+    assert cfg.up_block_n < 32  # so the kernel stored h before rounding it into hf
+    assert np.array_equal(bits(h), bits(native.as_numpy(hf[0])))
+    assert np.array_equal(cq, native.as_numpy(hq[0]).view(np.int8))
+    assert np.array_equal(bits(cd), bits(native.as_numpy(hd[0])))
+    assert np.array_equal(bits(cs), bits(native.as_numpy(hs[0])))
+    assert np.abs(cq).max() == 127  # h was not all zero
+
+
+def test_silu_rn_has_the_kernels_bits() -> None:
+    """The C silu equals `exact.silu_rn_ref` (itself the Triton `silu_rn`'s bits under the
+    interpreter, tests/kernels/test_exact.py) over a wide range and at the clamps."""
+    from moestream.kernels.exact import silu_rn_ref
+
+    g = torch.cat([torch.linspace(-120, 120, 20001), torch.randn(20000) * 5,
+                   torch.tensor([0.0, -0.0, 1e-38, -1e-38, 87.0, -87.0, 88.0, -88.0])])  # fmt: skip
+    assert np.array_equal(bits(native.silu_rn(g.numpy())), bits(silu_rn_ref(g).numpy()))
+
+
+def test_gate_up_q4_k_rows_and_bad_arguments() -> None:
+    """A row range fills only its q8 blocks, with the bits of the whole call; arguments the
+    code cannot take are a ValueError, not a wrong answer."""
+    f, k = 96, 512
+    gate, up = q4_k_stack(f, k, seed=1), q4_k_stack(f, k, seed=2)
+    xa = quantize_q8(torch.randn(1, k, generator=torch.Generator().manual_seed(3)))
+    args = (native.as_numpy(gate.data[0]), native.as_numpy(up.data[0]),
+            native.as_numpy(xa.q[0]).view(np.int8), native.as_numpy(xa.d[0]),
+            native.as_numpy(xa.s[0]))  # fmt: skip
+    whole = native.gate_up_q4_k(*args, 2)
+    out = (np.zeros(f, np.int8), np.zeros(f // 32, np.float32), np.zeros(f // 32, np.float32))
+    native.gate_up_q4_k(*args, 2, rows=(32, 64), out=out)
+    assert np.array_equal(out[0][32:64], whole[0][32:64]) and not out[0][:32].any()
+    assert out[1][1] == whole[1][1] and out[1][0] == 0 and out[1][2] == 0
+    with pytest.raises(ValueError, match="cannot take"):
+        native.gate_up_q4_k(*args, 3)
+    with pytest.raises(ValueError, match="cannot take"):
+        native.gate_up_q4_k(*args, 2, rows=(0, 40))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.gate_up_q4_k(args[0].astype(np.int8), *args[1:], 2)
