@@ -443,6 +443,13 @@ def _down_mmvq_kernel(
 # `moestream tune` may cache other gate/up rows and warps per device and shape (`tuned_config`).
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
+# Down-kernel fields that make a token's output reproducible on the CPU (`moestream.native`):
+# each expert's tile reduced on its own (one expert per chunk) by `tree_sum` in the
+# [1, rows, runs, words] tile, so that y = ((0 + T_0) + T_1) + ... with T_j one expert's sum,
+# which the CPU can compute for the experts it holds. Their cost against the default (all k
+# experts in one tile, plain sums, the Q6_K rows tile) is to be measured on the GPU.
+REPRODUCIBLE_DOWN = {"down_experts": 1, "down_tree": True, "down_rows": False}
+
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
 # some of them across the host link). H200, 30B layer with half its experts in pinned host memory
 # (`python bench/kernels_gpu.py --sweep-moe-host`, 2026-11-30): one group per K step and 8 warps

@@ -68,6 +68,8 @@ def _build() -> ctypes.CDLL:
     p = ctypes.c_void_p
     lib.gate_up_q4_k.argtypes = [p, p, ctypes.c_int64, *[ctypes.c_int] * 4, *[p] * 7]
     lib.gate_up_q4_k.restype = ctypes.c_int
+    lib.down_rows.argtypes = [p, ctypes.c_int64, *[ctypes.c_int] * 5, p, p, p, ctypes.c_float, p]
+    lib.down_rows.restype = ctypes.c_int
     lib.silu_rn_n.argtypes = [p, p, ctypes.c_int64]
     lib.silu_rn_n.restype = None
     return lib
@@ -125,6 +127,46 @@ def gate_up_q4_k(
             f"{row_bytes}-byte rows"
         )
     return hq, hd, hs
+
+
+def down_rows(
+    down: np.ndarray,
+    q6: bool,
+    hq: np.ndarray,
+    hd: np.ndarray,
+    hs: np.ndarray,
+    weight: float,
+    groups_per_step: int,
+    rows: tuple[int, int] | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """One expert's down projection of one assignment's q8 h (hq int8 [F], hd, hs float32
+    [F / 32]) times its routing weight, with the bits of the reproducible down kernel's sum of
+    one expert (`experts.c`; the kernel adds the token's experts' sums in selection order).
+    down: uint8 [H, F / 256 * (210 if q6 else 144)] Q6_K or Q4_K rows; `rows` limits the work to
+    those rows of `out` (float32 [H], allocated when not given)."""
+    h, row_bytes = down.shape
+    f = hq.shape[0]
+    for name, a, dtype in (("down", down, np.uint8), ("hq", hq, np.int8),
+                           ("hd", hd, np.float32), ("hs", hs, np.float32)):  # fmt: skip
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array")
+    if hd.shape != (f // 32,) or hs.shape != (f // 32,):
+        raise ValueError("the q8 scales do not match hq")
+    out = np.empty(h, np.float32) if out is None else out
+    if out.dtype != np.float32 or out.shape != (h,):
+        raise ValueError(f"out must be float32 [{h}]")
+    n0, n1 = rows or (0, h)
+    rc = library().down_rows(
+        _ptr(down), row_bytes, int(q6), f, n0, min(n1, h), groups_per_step,
+        _ptr(hq), _ptr(hd), _ptr(hs), float(weight), _ptr(out),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(
+            f"down_rows cannot take F={f}, rows {n0}..{n1}, G={groups_per_step}, "
+            f"{row_bytes}-byte rows"
+        )
+    return out
 
 
 def silu_rn(g: np.ndarray) -> np.ndarray:

@@ -13,6 +13,13 @@
  * partial sum of each (group-in-step, 32-byte run c of the group's quants, half h of the run's
  * 8 words) as `mmvq_once._once_q4_k`, added to its slot ("parts" [4G][2], from 0.0); then the
  * 8G slots summed by `mmvq.tree_sum` (pairwise by index, slot 2r + h).
+ *
+ * down_q4_k, down_q6_k: one expert's down rows against one assignment's q8 h, times its routing
+ * weight, in the order of `moe_mmvq._down_mmvq_kernel` launched with `REPRODUCIBLE_DOWN` (one
+ * expert per chunk, tree sums, the [1, rows, runs, words] tile of `mmvq.acc_runs`; all F / 256
+ * groups in one step): per row, the tile's 8 * 4G elements (slot 8r + lane, r = 4 * group + run
+ * c) as `mmvq._acc_q4_k` / `mmvq._acc_q6_k` accumulate them from 0.0, summed by `tree_sum`. The
+ * kernel adds the experts' sums in selection order: y = ((0 + T_0) + T_1) + ...
  */
 #include <math.h>
 #include <stdint.h>
@@ -202,4 +209,87 @@ void silu_rn_n(const float *g, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         out[i] = silu_rn(g[i]);
     }
+}
+
+
+/* mmvq._acc_q4_k's element (run c of group sb, lane w: word w of the run) from 0.0, the block
+ * scales times wt. */
+static float down_elem_q4_k(const uint8_t *row, int sb, int groups, int c, int w,
+                            const int8_t *xq, const float *xd, const float *xs, float wt) {
+    if (sb >= groups) {
+        return 0.0f; /* masked: every load 0; the fmas give +0 */
+    }
+    const uint8_t *blk = row + (size_t)sb * 144;
+    float d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8))) * wt;
+    float dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8))) * wt;
+    float sc0, mn0, sc1, mn1;
+    scale_min(blk + 4, 2 * c, &sc0, &mn0);
+    scale_min(blk + 4, 2 * c + 1, &sc1, &mn1);
+    const uint8_t *qs = blk + 16 + 32 * c + 4 * w;
+    const int8_t *xa = xq + (size_t)sb * 256 + 64 * c + 4 * w;
+    int32_t f0 = 0, f1 = 0;
+    for (int i = 0; i < 4; i++) {
+        f0 += (qs[i] & 15) * (int32_t)xa[i];
+        f1 += (qs[i] >> 4) * (int32_t)xa[32 + i];
+    }
+    int b0 = sb * 8 + 2 * c;
+    float acc = fmaf((d * sc0) * xd[b0], (float)f0, 0.0f);
+    acc = fmaf((d * sc1) * xd[b0 + 1], (float)f1, acc);
+    float m = fmaf(mn0, xs[b0], mn1 * xs[b0 + 1]);
+    return fmaf(w == 0 ? -dmin : 0.0f, m, acc);
+}
+
+/* mmvq._acc_q6_k's element (run c = 2n + t of group sb, lane L: word 3L mod 8 of file blocks,
+ * which the kernel reads in that order) from 0.0. */
+static float down_elem_q6_k(const uint8_t *row, int sb, int groups, int c, int lane,
+                            const int8_t *xq, const float *xd, float wt) {
+    if (sb >= groups) {
+        return 0.0f;
+    }
+    int w = (3 * lane) % 8, n = c / 2, t = c % 2;
+    const uint8_t *blk = row + (size_t)sb * 210;
+    const uint8_t *ql = blk + 64 * n + 32 * t + 4 * w;
+    const uint8_t *qh = blk + 128 + 32 * n + 4 * w;
+    int sc0 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4];
+    int sc1 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4 + 4];
+    float d = f16_to_f32((uint16_t)(blk[208] | (blk[209] << 8))) * wt;
+    const int8_t *x0 = xq + (size_t)sb * 256 + 128 * n + 32 * t + 4 * w;
+    int32_t s0 = 0, s1 = 0;
+    for (int i = 0; i < 4; i++) {
+        int v0 = (ql[i] & 15) | (((qh[i] >> (2 * t)) & 3) << 4);
+        int v1 = (ql[i] >> 4) | (((qh[i] >> (2 * t + 4)) & 3) << 4);
+        s0 += (v0 - 32) * (int32_t)x0[i];
+        s1 += (v1 - 32) * (int32_t)x0[64 + i];
+    }
+    int b0 = sb * 8 + 4 * n + t;
+    float acc = fmaf(d * xd[b0], (float)(sc0 * s0), 0.0f);
+    return fmaf(d * xd[b0 + 2], (float)(sc1 * s1), acc);
+}
+
+/* Rows n0 .. n1 - 1 of one expert's down projection (rows of F / 256 blocks, row_bytes apart;
+ * Q4_K when q6 is 0, else Q6_K) against one assignment's q8 h (hq int8 [F], hd and hs
+ * [F / 32]), the block scales times wt: y[n] = T(n) as the reproducible down kernel sums one
+ * expert. G: the launch's groups per step (min(down_groups, next power of two of F / 256)),
+ * which must cover F in one step. Returns 0, or -1 for arguments it cannot take. */
+int down_rows(const uint8_t *w, int64_t row_bytes, int q6, int f, int n0, int n1, int G,
+              const int8_t *hq, const float *hd, const float *hs, float wt, float *y) {
+    int groups = f / 256;
+    if (f % 256 || G < groups || G > 32 || (G & (G - 1)) || n0 < 0 || n1 < n0 ||
+        row_bytes < (int64_t)groups * (q6 ? 210 : 144)) {
+        return -1;
+    }
+    float tile[8 * 4 * 32];
+    int R = 4 * G;
+    for (int n = n0; n < n1; n++) {
+        const uint8_t *row = w + (size_t)n * row_bytes;
+        for (int r = 0; r < R; r++) {
+            for (int lane = 0; lane < 8; lane++) {
+                tile[8 * r + lane] =
+                    q6 ? down_elem_q6_k(row, r / 4, groups, r % 4, lane, hq, hd, wt)
+                       : down_elem_q4_k(row, r / 4, groups, r % 4, lane, hq, hd, hs, wt);
+            }
+        }
+        y[n] = tree_sum(tile, 8 * R);
+    }
+    return 0;
 }

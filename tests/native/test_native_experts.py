@@ -106,3 +106,42 @@ def test_gate_up_q4_k_rows_and_bad_arguments() -> None:
         native.gate_up_q4_k(*args, 2, rows=(0, 40))
     with pytest.raises(ValueError, match="contiguous"):
         native.gate_up_q4_k(args[0].astype(np.int8), *args[1:], 2)
+
+
+@pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
+def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_type) -> None:
+    """One token, three experts: gate/up, SiLU, the q8 rounding of h and the weighted down
+    projection of each computed by the C code, summed in selection order from 0.0, equal the
+    "mmvq" path launched with `REPRODUCIBLE_DOWN` bit for bit."""
+    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, fused_moe_mmvq
+
+    e, f, h, k = 4, 256, 256, 3
+    gate = QTensor(q4_k_stack(e * f, h, seed=11).data.view(e, f, -1), T.Q4_K, (e, f, h))
+    up = QTensor(q4_k_stack(e * f, h, seed=12).data.view(e, f, -1), T.Q4_K, (e, f, h))
+    g = torch.Generator().manual_seed(13)
+    down_values = torch.randn(e, h, f, generator=g) * 0.05
+    down = QTensor(torch.from_numpy(quantize(down_values, down_type)), down_type, (e, h, f))
+    x = torch.randn(1, h, generator=g)
+    ids = torch.tensor([[2, 0, 3]])
+    weights = torch.softmax(torch.randn(1, k, generator=g), dim=-1)
+    slot = torch.arange(e, dtype=torch.int32)
+    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
+    out = torch.full((1, h), float("nan"))
+    with exact_interpreter():
+        fused_moe_mmvq(x, None, ids, weights, gate, up, down, slot, None, out, cfg, None)
+        xa = quantize_q8(x)
+    xq, xd, xs = (native.as_numpy(v[0]) for v in (xa.q, xa.d, xa.s))
+    up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())
+    down_g = min(cfg.down_groups, 1 << (f // 256 - 1).bit_length())
+    y = np.zeros(h, np.float32)
+    for j in range(k):
+        ex = int(ids[0, j])
+        hq, hd, hs = native.gate_up_q4_k(
+            native.as_numpy(gate.data[ex]), native.as_numpy(up.data[ex]), xq.view(np.int8),
+            xd, xs, up_g,
+        )  # fmt: skip
+        t = native.down_rows(native.as_numpy(down.data[ex]), down_type == T.Q6_K, hq, hd, hs,
+                             float(weights[0, j]), down_g)  # fmt: skip
+        y = y + t
+    assert np.array_equal(bits(y), bits(native.as_numpy(out[0])))
+    assert np.abs(y).max() > 0
