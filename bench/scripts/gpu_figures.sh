@@ -122,8 +122,9 @@
 #   bench/scripts/gpu_figures.sh s13a    GPU kernel tests, greedy GPU vs CPU, the 30B synthesised
 #   bench/scripts/gpu_figures.sh s13b    the 30B tuned (compiles ahead), decode A/B with the cache
 #   bench/scripts/gpu_figures.sh s13c    8 requests, grouped gate/up one warp vs two
-#   bench/scripts/gpu_figures.sh s14a    reproducible MoE arithmetic: GPU bits vs the interpreter's,
-#                                        greedy GPU vs CPU, the 30B with contraction off vs on
+#   bench/scripts/gpu_figures.sh s14a    reproducible MoE arithmetic and native CPU experts: GPU bits
+#                                        vs the interpreter's and the C code's, greedy GPU vs CPU
+#   bench/scripts/gpu_figures.sh s14b    the 30B: contraction off vs on; reproducible down vs default
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -949,17 +950,23 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=8 cfg_ab moe_grouped w1a= w2a="up_warps=2" w2b="up_warps=2" w1b=
     ;;
-  s14a)  # next session: the decode MoE kernels' reproducible arithmetic (kernels/exact.py:
-    # contraction off, SiLU from correctly rounded operations): its GPU tests (GPU bits against
-    # the interpreter's, the kernels against their references), greedy text GPU vs CPU, then
-    # the 30B's decode at 1 and 8 requests with the contraction off (the default: arms on1,
-    # on2) and on (arms off1, off2: FP_EXACT emptied; SiLU stays exact)
-    timeout 280 python3 -m pytest tests/kernels/test_exact.py tests/kernels/test_moe_grouped.py \
-      -q -p no:cacheprovider -rf 2>&1 | tail -4
+  s14a)  # next session (then s14b): the decode MoE kernels' reproducible arithmetic
+    # (kernels/exact.py: contraction off, SiLU from correctly rounded operations) and the native
+    # CPU experts (moestream/native): GPU tests (GPU bits against the interpreter's and against
+    # the C code's at the 30B's shapes), greedy text GPU vs CPU; the 30B synthesised
+    timeout 300 python3 -m pytest tests/native/test_native_gpu.py tests/kernels/test_exact.py \
+      tests/kernels/test_moe_grouped.py -q -p no:cacheprovider -rf 2>&1 | tail -4
     timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
       --json "$out/greedy.json" 2>&1 | tail -3
     synth qwen3-30b-a3b q30
+    ;;
+  s14b)  # the 30B's decode at 1 and 8 requests: contraction off (the default: arms on1, on2)
+    # against on (arms off1, off2: FP_EXACT emptied; SiLU stays exact); then the down kernel in
+    # its reproducible launch (moe_mmvq.REPRODUCIBLE_DOWN) against the default, in turn
+    synth qwen3-30b-a3b q30
     onoff_ab exact "import moestream.kernels.exact as e; e.FP_EXACT.clear(); "
+    moe_ab base1= rep1="down_experts=1, down_tree=True, down_rows=False" \
+      rep2="down_experts=1, down_tree=True, down_rows=False" base2=
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

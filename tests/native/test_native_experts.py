@@ -112,7 +112,8 @@ def test_gate_up_q4_k_rows_and_bad_arguments() -> None:
 def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_type) -> None:
     """One token, three experts: gate/up, SiLU, the q8 rounding of h and the weighted down
     projection of each computed by the C code, summed in selection order from 0.0, equal the
-    "mmvq" path launched with `REPRODUCIBLE_DOWN` bit for bit."""
+    "mmvq" path launched with `REPRODUCIBLE_DOWN` bit for bit (the kernel reading Q6_K in the
+    padded layout, the C code the file's)."""
     from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, fused_moe_mmvq
 
     e, f, h, k = 4, 256, 256, 3
@@ -128,7 +129,9 @@ def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_typ
     cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
     out = torch.full((1, h), float("nan"))
     with exact_interpreter():
-        fused_moe_mmvq(x, None, ids, weights, gate, up, down, slot, None, out, cfg, None)
+        # the kernel reads Q6_K padded, as a resident model does; the CPU the file's blocks
+        fused_moe_mmvq(x, None, ids, weights, gate, up, down.aligned(), slot, None, out, cfg,
+                       None)  # fmt: skip
         xa = quantize_q8(x)
     xq, xd, xs = (native.as_numpy(v[0]) for v in (xa.q, xa.d, xa.s))
     up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())

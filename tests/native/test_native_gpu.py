@@ -1,0 +1,67 @@
+"""On a GPU: a token's experts computed by the native CPU code (`moestream.native`) give the
+decode MoE kernels' bits at the Qwen3-30B-A3B shapes, with the GPU reading padded Q6_K blocks
+(as a resident model does) and the CPU the file's (as a host tier holds them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moestream import native
+from moestream.weights.qtensor import QTensor
+from moestream.weights.quantize import quantize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
+def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    try:
+        native.library()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native code unavailable: {e}")
+    from moestream.kernels.mmvq import quantize_q8
+    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
+
+    e, f, h, k, t = 16, 768, 2048, 8, 2
+    g = torch.Generator().manual_seed(21)
+
+    def stack(qtype, shape):
+        values = torch.randn(shape, generator=g) * 0.05
+        return QTensor(torch.from_numpy(quantize(values, qtype)), qtype, shape)
+
+    gate, up, down = stack(T.Q4_K, (e, f, h)), stack(T.Q4_K, (e, f, h)), stack(down_type, (e, h, f))
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    dev = torch.device("cuda")
+    gpu = [QTensor(w.data.to(dev), w.qtype, w.shape).aligned() for w in (gate, up, down)]
+    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
+    out = torch.full((t, h), float("nan"), device=dev)
+    slot = torch.arange(e, dtype=torch.int32, device=dev)
+    xg = x.to(dev)
+    xa = quantize_q8(xg)
+    fused_moe_mmvq(xg, xa, ids.to(dev), weights.to(dev), *gpu, slot, None, out, cfg, None)
+    want = out.cpu().numpy()
+    up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())
+    down_g = min(cfg.down_groups, 1 << (f // 256 - 1).bit_length())
+    for i in range(t):
+        xq = native.as_numpy(xa.q[i]).view(np.int8)
+        xd, xs = native.as_numpy(xa.d[i]), native.as_numpy(xa.s[i])
+        y = np.zeros(h, np.float32)
+        for j in range(k):
+            ex = int(ids[i, j])
+            rows = [native.as_numpy(w.data[ex]) for w in (gate, up, down)]
+            hq, hd, hs = native.gate_up_q4_k(rows[0], rows[1], xq, xd, xs, up_g)
+            wt = float(weights[i, j])
+            y = y + native.down_rows(rows[2], down_type == T.Q6_K, hq, hd, hs, wt, down_g)
+        differ = int((y.view(np.int32) != want[i].view(np.int32)).sum())
+        assert differ == 0, f"token {i}: {differ} of {h} outputs differ"
