@@ -51,10 +51,129 @@ static float f16_to_f32(uint16_t h) {
     return f;
 }
 
-static uint32_t load_u32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
+/* The integer dot products of one 32-byte run of 4-bit quants: lo[w] = sum over the 4 low
+ * nibbles of bytes 4w .. 4w + 3 times x_lo[4w ..], hi[w] likewise with the high nibbles and
+ * x_hi (dp4a per word, as the GPU kernels compute them; integers, so exact however summed). */
+static void nibble_words_scalar(const uint8_t *q, const int8_t *x_lo, const int8_t *x_hi,
+                                int32_t lo[8], int32_t hi[8]) {
+    for (int w = 0; w < 8; w++) {
+        int32_t a = 0, b = 0;
+        for (int i = 4 * w; i < 4 * w + 4; i++) {
+            a += (q[i] & 15) * (int32_t)x_lo[i];
+            b += (q[i] >> 4) * (int32_t)x_hi[i];
+        }
+        lo[w] = a;
+        hi[w] = b;
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+__attribute__((target("avx2"))) static void nibble_words_avx2(const uint8_t *q,
+                                                              const int8_t *x_lo,
+                                                              const int8_t *x_hi, int32_t lo[8],
+                                                              int32_t hi[8]) {
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i v = _mm256_loadu_si256((const __m256i *)q);
+    __m256i l = _mm256_and_si256(v, mask);
+    __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    /* u8 x s8 pairs (at most 2 * 15 * 128: no saturation), then pairs of pairs: one int32
+     * per 4 bytes */
+    __m256i pl = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)x_lo)), ones);
+    __m256i ph = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)x_hi)), ones);
+    _mm256_storeu_si256((__m256i *)lo, pl);
+    _mm256_storeu_si256((__m256i *)hi, ph);
+}
+#endif
+
+static int avx2_on = -1; /* -1: not yet asked; native_force_scalar sets 0 (tests) */
+
+/* Tests: 1 runs the portable scalar integer code even where AVX2 is present, 0 the default. */
+void native_force_scalar(int scalar) { avx2_on = scalar ? 0 : -1; }
+
+static int use_avx2(void) {
+#ifdef HAVE_AVX2_PATH
+    int on = avx2_on;
+    if (on < 0) {
+        __builtin_cpu_init();
+        on = avx2_on = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return on;
+#else
+    return 0;
+#endif
+}
+
+static void nibble_words(const uint8_t *q, const int8_t *x_lo, const int8_t *x_hi, int32_t lo[8],
+                         int32_t hi[8]) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        nibble_words_avx2(q, x_lo, x_hi, lo, hi);
+        return;
+    }
+#endif
+    nibble_words_scalar(q, x_lo, x_hi, lo, hi);
+}
+
+/* The integer dot products of one Q6_K run (half n, quarter t): s0[w] = sum over bytes 4w ..
+ * 4w + 3 of (v0 - 32) * x0, v0 = low nibble of ql | bits 2t of qh << 4; s1 likewise with the high
+ * nibble, bits 2t + 4 and x1 (the kernel's two dp4a per word). */
+static void q6_words_scalar(const uint8_t *ql, const uint8_t *qh, int t, const int8_t *x0,
+                            const int8_t *x1, int32_t s0[8], int32_t s1[8]) {
+    for (int w = 0; w < 8; w++) {
+        int32_t a = 0, b = 0;
+        for (int i = 4 * w; i < 4 * w + 4; i++) {
+            int v0 = (ql[i] & 15) | (((qh[i] >> (2 * t)) & 3) << 4);
+            int v1 = (ql[i] >> 4) | (((qh[i] >> (2 * t + 4)) & 3) << 4);
+            a += (v0 - 32) * (int32_t)x0[i];
+            b += (v1 - 32) * (int32_t)x1[i];
+        }
+        s0[w] = a;
+        s1[w] = b;
+    }
+}
+
+#ifdef HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static void q6_words_avx2(const uint8_t *ql, const uint8_t *qh,
+                                                          int t, const int8_t *x0,
+                                                          const int8_t *x1, int32_t s0[8],
+                                                          int32_t s1[8]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
+    __m256i l = _mm256_loadu_si256((const __m256i *)ql);
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    __m128i sh0 = _mm_cvtsi32_si128(2 * t), sh1 = _mm_cvtsi32_si128(2 * t + 4);
+    /* 16-bit shifts, then byte masks: no bit crosses into the next byte's field */
+    __m256i v0 = _mm256_or_si256(
+        _mm256_and_si256(l, m4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, sh0), m2), 4));
+    __m256i v1 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+        _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, sh1), m2), 4));
+    __m256i a = _mm256_loadu_si256((const __m256i *)x0);
+    __m256i b = _mm256_loadu_si256((const __m256i *)x1);
+    /* v in 0..63: u8 x s8 pairs at most 2 * 63 * 128, no saturation; minus 32 * sum(x) */
+    __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(v0, a), ones16);
+    __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, b), ones16);
+    __m256i x0s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
+    __m256i x1s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b), ones16);
+    _mm256_storeu_si256((__m256i *)s0, _mm256_sub_epi32(d0, _mm256_slli_epi32(x0s, 5)));
+    _mm256_storeu_si256((__m256i *)s1, _mm256_sub_epi32(d1, _mm256_slli_epi32(x1s, 5)));
+}
+#endif
+
+static void q6_words(const uint8_t *ql, const uint8_t *qh, int t, const int8_t *x0,
+                     const int8_t *x1, int32_t s0[8], int32_t s1[8]) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        q6_words_avx2(ql, qh, t, x0, x1, s0, s1);
+        return;
+    }
+#endif
+    q6_words_scalar(ql, qh, t, x0, x1, s0, s1);
 }
 
 /* exact.exp_rn: Cody-Waite reduction, degree-7 Taylor polynomial in fmas, 2^k from its bits. */
@@ -102,33 +221,53 @@ static int32_t dot16(const uint8_t *qs, int high, const int8_t *x) {
     return s;
 }
 
-/* mmvq_once._once_q4_k for one row, group sb (zero where sb >= groups, as masked loads),
- * run c, half h. */
-static float part_q4_k(const uint8_t *row, int sb, int groups, int c, int h, const int8_t *xq,
-                       const float *xd, const float *xs) {
-    float d = 0.0f, dmin = 0.0f, sc0 = 0.0f, mn0 = 0.0f, sc1 = 0.0f, mn1 = 0.0f;
-    float xd0 = 0.0f, xd1 = 0.0f, xs0 = 0.0f, xs1 = 0.0f;
-    int32_t s0 = 0, s1 = 0;
-    if (sb < groups) {
-        const uint8_t *blk = row + (size_t)sb * 144;
-        d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
-        dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8)));
-        scale_min(blk + 4, 2 * c, &sc0, &mn0);
-        scale_min(blk + 4, 2 * c + 1, &sc1, &mn1);
-        const uint8_t *qs = blk + 16 + 32 * c + 16 * h; /* words 4h .. 4h + 3 of run c */
-        const int8_t *xa = xq + (size_t)sb * 256 + 64 * c + 16 * h;
-        s0 = dot16(qs, 0, xa);
-        s1 = dot16(qs, 1, xa + 32);
-        int b0 = sb * 8 + 2 * c;
-        xd0 = xd[b0];
-        xd1 = xd[b0 + 1];
-        xs0 = xs[b0];
-        xs1 = xs[b0 + 1];
+/* One Q4_K block's header: d, dmin and the 8 sub-block scales and mins as floats (zeros for a
+ * masked group, as the kernel's masked loads give). */
+typedef struct {
+    float d, dmin, sc[8], mn[8];
+} q4k_head;
+
+static void q4_k_head(const uint8_t *blk, q4k_head *hd) {
+    hd->d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+    hd->dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8)));
+    for (int s = 0; s < 8; s++) {
+        scale_min(blk + 4, s, &hd->sc[s], &hd->mn[s]);
     }
-    float part = ((d * sc1) * xd1) * (float)s1;
-    part = fmaf((d * sc0) * xd0, (float)s0, part);
-    float m = fmaf(mn0, xs0, mn1 * xs1);
-    return fmaf(h == 0 ? -dmin : 0.0f, m, part);
+}
+
+/* The 8 partials of group sb of one Q4_K row (slot 2c + h: run c, half h), as
+ * mmvq_once._once_q4_k computes them (all zero where sb >= groups). The lanes are independent
+ * elementwise chains: a compiler may run them side by side without changing a bit. */
+static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
+                       const float *xd, const float *xs, float out[8]) {
+    if (sb >= groups) {
+        for (int p = 0; p < 8; p++) {
+            out[p] = 0.0f; /* every load masked: the fmas give +0 */
+        }
+        return;
+    }
+    const uint8_t *blk = row + (size_t)sb * 144;
+    q4k_head hd;
+    q4_k_head(blk, &hd);
+    const uint8_t *qs = blk + 16;
+    const int8_t *x = xq + (size_t)sb * 256;
+    int32_t s0[8], s1[8];
+    for (int c = 0; c < 4; c++) { /* run c: words 0-3 are half 0, 4-7 half 1 */
+        int32_t lo[8], hi[8];
+        nibble_words(qs + 32 * c, x + 64 * c, x + 64 * c + 32, lo, hi);
+        s0[2 * c] = (lo[0] + lo[1]) + (lo[2] + lo[3]);
+        s0[2 * c + 1] = (lo[4] + lo[5]) + (lo[6] + lo[7]);
+        s1[2 * c] = (hi[0] + hi[1]) + (hi[2] + hi[3]);
+        s1[2 * c + 1] = (hi[4] + hi[5]) + (hi[6] + hi[7]);
+    }
+    const float *xdb = xd + sb * 8, *xsb = xs + sb * 8;
+    for (int p = 0; p < 8; p++) {
+        int c = p / 2;
+        float part = ((hd.d * hd.sc[2 * c + 1]) * xdb[2 * c + 1]) * (float)s1[p];
+        part = fmaf((hd.d * hd.sc[2 * c]) * xdb[2 * c], (float)s0[p], part);
+        float m = fmaf(hd.mn[2 * c], xsb[2 * c], hd.mn[2 * c + 1] * xsb[2 * c + 1]);
+        out[p] = fmaf(p % 2 == 0 ? -hd.dmin : 0.0f, m, part);
+    }
 }
 
 /* mmvq.tree_sum over n (a power of two) values, in place. */
@@ -141,22 +280,23 @@ static float tree_sum(float *v, int n) {
     return v[0];
 }
 
+/* One row's sum: per K step of G groups, group j's 8 partials added to slots 8j .. 8j + 7
+ * (slot 2r + h with r = 4j + c), from 0.0; then the tree over the 8G slots. */
 static float row_q4_k(const uint8_t *row, int groups, int G, const int8_t *xq, const float *xd,
                       const float *xs) {
-    float parts[2 * 4 * 32];
-    int R = 4 * G;
-    for (int i = 0; i < 2 * R; i++) {
+    float parts[8 * 32], step[8];
+    for (int i = 0; i < 8 * G; i++) {
         parts[i] = 0.0f;
     }
     for (int i = 0; i < groups; i += G) {
-        for (int r = 0; r < R; r++) {
-            for (int h = 0; h < 2; h++) {
-                parts[2 * r + h] =
-                    parts[2 * r + h] + part_q4_k(row, i + r / 4, groups, r % 4, h, xq, xd, xs);
+        for (int j = 0; j < G; j++) {
+            parts_q4_k(row, i + j, groups, xq, xd, xs, step);
+            for (int p = 0; p < 8; p++) {
+                parts[8 * j + p] = parts[8 * j + p] + step[p];
             }
         }
     }
-    return tree_sum(parts, 2 * R);
+    return tree_sum(parts, 8 * G);
 }
 
 /* mmvq._store_q8 of 32 values: int8 q into hq, the scale into *hd, scale * sum(q) into *hs. */
@@ -212,58 +352,54 @@ void silu_rn_n(const float *g, float *out, int64_t n) {
 }
 
 
-/* mmvq._acc_q4_k's element (run c of group sb, lane w: word w of the run) from 0.0, the block
- * scales times wt. */
-static float down_elem_q4_k(const uint8_t *row, int sb, int groups, int c, int w,
-                            const int8_t *xq, const float *xd, const float *xs, float wt) {
-    if (sb >= groups) {
-        return 0.0f; /* masked: every load 0; the fmas give +0 */
-    }
+/* The 32 tile elements of group sb of one Q4_K down row (slot 8c + w: run c, word w), as
+ * mmvq._acc_q4_k accumulates them from 0.0 with the block scales times wt. */
+static void tile_q4_k(const uint8_t *row, int sb, const int8_t *xq, const float *xd,
+                      const float *xs, float wt, float out[32]) {
     const uint8_t *blk = row + (size_t)sb * 144;
-    float d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8))) * wt;
-    float dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8))) * wt;
-    float sc0, mn0, sc1, mn1;
-    scale_min(blk + 4, 2 * c, &sc0, &mn0);
-    scale_min(blk + 4, 2 * c + 1, &sc1, &mn1);
-    const uint8_t *qs = blk + 16 + 32 * c + 4 * w;
-    const int8_t *xa = xq + (size_t)sb * 256 + 64 * c + 4 * w;
-    int32_t f0 = 0, f1 = 0;
-    for (int i = 0; i < 4; i++) {
-        f0 += (qs[i] & 15) * (int32_t)xa[i];
-        f1 += (qs[i] >> 4) * (int32_t)xa[32 + i];
+    q4k_head hd;
+    q4_k_head(blk, &hd);
+    float d = hd.d * wt, dmin = hd.dmin * wt;
+    const int8_t *x = xq + (size_t)sb * 256;
+    const float *xdb = xd + sb * 8, *xsb = xs + sb * 8;
+    for (int c = 0; c < 4; c++) {
+        int32_t f0[8], f1[8];
+        nibble_words(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, f0, f1);
+        float a0 = (d * hd.sc[2 * c]) * xdb[2 * c];
+        float a1 = (d * hd.sc[2 * c + 1]) * xdb[2 * c + 1];
+        float m = fmaf(hd.mn[2 * c], xsb[2 * c], hd.mn[2 * c + 1] * xsb[2 * c + 1]);
+        for (int w = 0; w < 8; w++) {
+            float acc = fmaf(a0, (float)f0[w], 0.0f);
+            acc = fmaf(a1, (float)f1[w], acc);
+            out[8 * c + w] = fmaf(w == 0 ? -dmin : 0.0f, m, acc);
+        }
     }
-    int b0 = sb * 8 + 2 * c;
-    float acc = fmaf((d * sc0) * xd[b0], (float)f0, 0.0f);
-    acc = fmaf((d * sc1) * xd[b0 + 1], (float)f1, acc);
-    float m = fmaf(mn0, xs[b0], mn1 * xs[b0 + 1]);
-    return fmaf(w == 0 ? -dmin : 0.0f, m, acc);
 }
 
-/* mmvq._acc_q6_k's element (run c = 2n + t of group sb, lane L: word 3L mod 8 of file blocks,
- * which the kernel reads in that order) from 0.0. */
-static float down_elem_q6_k(const uint8_t *row, int sb, int groups, int c, int lane,
-                            const int8_t *xq, const float *xd, float wt) {
-    if (sb >= groups) {
-        return 0.0f;
-    }
-    int w = (3 * lane) % 8, n = c / 2, t = c % 2;
+/* The 32 tile elements of group sb of one Q6_K down row (file blocks of 210 bytes; slot 8c + L:
+ * run c = 2n + t, lane L holding word 3L mod 8, the order the kernel reads file blocks in), as
+ * mmvq._acc_q6_k accumulates them from 0.0. */
+static void tile_q6_k(const uint8_t *row, int sb, const int8_t *xq, const float *xd, float wt,
+                      float out[32]) {
     const uint8_t *blk = row + (size_t)sb * 210;
-    const uint8_t *ql = blk + 64 * n + 32 * t + 4 * w;
-    const uint8_t *qh = blk + 128 + 32 * n + 4 * w;
-    int sc0 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4];
-    int sc1 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4 + 4];
     float d = f16_to_f32((uint16_t)(blk[208] | (blk[209] << 8))) * wt;
-    const int8_t *x0 = xq + (size_t)sb * 256 + 128 * n + 32 * t + 4 * w;
-    int32_t s0 = 0, s1 = 0;
-    for (int i = 0; i < 4; i++) {
-        int v0 = (ql[i] & 15) | (((qh[i] >> (2 * t)) & 3) << 4);
-        int v1 = (ql[i] >> 4) | (((qh[i] >> (2 * t + 4)) & 3) << 4);
-        s0 += (v0 - 32) * (int32_t)x0[i];
-        s1 += (v1 - 32) * (int32_t)x0[64 + i];
+    const int8_t *x = xq + (size_t)sb * 256;
+    for (int c = 0; c < 4; c++) {
+        int n = c / 2, t = c % 2;
+        const uint8_t *ql = blk + 64 * n + 32 * t, *qh = blk + 128 + 32 * n;
+        const int8_t *x0 = x + 128 * n + 32 * t;
+        int32_t s0[8], s1[8];
+        q6_words(ql, qh, t, x0, x0 + 64, s0, s1);
+        int b0 = sb * 8 + 4 * n + t;
+        float a0 = d * xd[b0], a1 = d * xd[b0 + 2];
+        for (int lane = 0; lane < 8; lane++) {
+            int w = (3 * lane) % 8;
+            int sc0 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4];
+            int sc1 = (int8_t)blk[192 + 8 * n + 2 * t + w / 4 + 4];
+            float acc = fmaf(a0, (float)(sc0 * s0[w]), 0.0f);
+            out[8 * c + lane] = fmaf(a1, (float)(sc1 * s1[w]), acc);
+        }
     }
-    int b0 = sb * 8 + 4 * n + t;
-    float acc = fmaf(d * xd[b0], (float)(sc0 * s0), 0.0f);
-    return fmaf(d * xd[b0 + 2], (float)(sc1 * s1), acc);
 }
 
 /* Rows n0 .. n1 - 1 of one expert's down projection (rows of F / 256 blocks, row_bytes apart;
@@ -278,18 +414,19 @@ int down_rows(const uint8_t *w, int64_t row_bytes, int q6, int f, int n0, int n1
         row_bytes < (int64_t)groups * (q6 ? 210 : 144)) {
         return -1;
     }
-    float tile[8 * 4 * 32];
-    int R = 4 * G;
+    float tile[32 * 32];
     for (int n = n0; n < n1; n++) {
         const uint8_t *row = w + (size_t)n * row_bytes;
-        for (int r = 0; r < R; r++) {
-            for (int lane = 0; lane < 8; lane++) {
-                tile[8 * r + lane] =
-                    q6 ? down_elem_q6_k(row, r / 4, groups, r % 4, lane, hq, hd, wt)
-                       : down_elem_q4_k(row, r / 4, groups, r % 4, lane, hq, hd, hs, wt);
+        for (int sb = 0; sb < G; sb++) { /* group sb's runs are tile rows 4sb .. 4sb + 3 */
+            if (sb >= groups) {
+                memset(tile + 32 * sb, 0, 32 * sizeof(float)); /* masked: +0 */
+            } else if (q6) {
+                tile_q6_k(row, sb, hq, hd, wt, tile + 32 * sb);
+            } else {
+                tile_q4_k(row, sb, hq, hd, hs, wt, tile + 32 * sb);
             }
         }
-        y[n] = tree_sum(tile, 8 * R);
+        y[n] = tree_sum(tile, 32 * G);
     }
     return 0;
 }

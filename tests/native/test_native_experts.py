@@ -5,6 +5,7 @@ checked against the Triton kernel under the interpreter with a correctly rounded
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -53,6 +54,7 @@ def test_gate_up_q4_k_has_the_once_kernels_bits(k: int, up_groups: int, x_scale:
     step's second group masked)."""
     f = 64
     gate, up = q4_k_stack(f, k, seed=k), q4_k_stack(f, k, seed=k + 1)
+    scalar = up_groups == 1  # one case through the portable integer code
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(7)) * x_scale
     xa = quantize_q8(x)
     cfg = replace(DEFAULT_CONFIG, up_groups=up_groups)
@@ -63,7 +65,8 @@ def test_gate_up_q4_k_has_the_once_kernels_bits(k: int, up_groups: int, x_scale:
         hq, hd, hs = gate_up_q8(xa, ids, gate, up, slot, None, cfg, None, hf=hf)
     g = min(up_groups, 1 << (k // 256 - 1).bit_length())
     h = np.full(f, np.nan, np.float32)
-    cq, cd, cs = native.gate_up_q4_k(
+    with native.scalar_only() if scalar else contextlib.nullcontext():
+        cq, cd, cs = native.gate_up_q4_k(
         native.as_numpy(gate.data[0]), native.as_numpy(up.data[0]),
         native.as_numpy(xa.q[0]).view(np.int8), native.as_numpy(xa.d[0]),
         native.as_numpy(xa.s[0]), g, h_out=h,
@@ -136,15 +139,24 @@ def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_typ
     xq, xd, xs = (native.as_numpy(v[0]) for v in (xa.q, xa.d, xa.s))
     up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())
     down_g = min(cfg.down_groups, 1 << (f // 256 - 1).bit_length())
-    y = np.zeros(h, np.float32)
-    for j in range(k):
-        ex = int(ids[0, j])
+    for scalar in (False, True):  # the AVX2 integer code where present, then the portable one
+        with native.scalar_only() if scalar else contextlib.nullcontext():
+            y = cpu_token(xq, xd, xs, ids[0], weights[0], gate, up, down, up_g, down_g)
+        assert np.array_equal(bits(y), bits(native.as_numpy(out[0]))), scalar
+    assert np.abs(y).max() > 0
+
+
+def cpu_token(xq, xd, xs, ids, weights, gate, up, down, up_g: int, down_g: int) -> np.ndarray:
+    """One token's MoE output by the native code: its experts in selection order, summed from
+    0.0 as the reproducible down kernel adds them."""
+    y = np.zeros(down.shape[1], np.float32)
+    for j in range(ids.shape[0]):
+        ex = int(ids[j])
         hq, hd, hs = native.gate_up_q4_k(
             native.as_numpy(gate.data[ex]), native.as_numpy(up.data[ex]), xq.view(np.int8),
             xd, xs, up_g,
         )  # fmt: skip
-        t = native.down_rows(native.as_numpy(down.data[ex]), down_type == T.Q6_K, hq, hd, hs,
-                             float(weights[0, j]), down_g)  # fmt: skip
+        t = native.down_rows(native.as_numpy(down.data[ex]), down.qtype == T.Q6_K, hq, hd, hs,
+                             float(weights[j]), down_g)  # fmt: skip
         y = y + t
-    assert np.array_equal(bits(y), bits(native.as_numpy(out[0])))
-    assert np.abs(y).max() > 0
+    return y
