@@ -958,6 +958,7 @@ PY
       tests/kernels/test_moe_grouped.py -q -p no:cacheprovider -rf 2>&1 | tail -4
     timeout 90 python3 bench/greedy_gpu_vs_cpu.py --tokens 200 --prompts 8 \
       --json "$out/greedy.json" 2>&1 | tail -3
+    timeout 60 python3 bench/native_experts.py --threads 1,4,8,16 | tee "$out/native.md"
     synth qwen3-30b-a3b q30
     ;;
   s14b)  # the 30B's decode at 1 and 8 requests: contraction off (the default: arms on1, on2)

@@ -1,0 +1,85 @@
+"""Throughput of the native CPU expert code (`moestream/native`) in the Qwen3-30B-A3B shapes.
+
+Usage: python bench/native_experts.py [--threads 1,2,4,8,16] [--experts 96] [--rounds 5]
+
+Each round computes one token through `--experts` distinct random experts (Q4_K gate and up
+[768, 2048], Q6_K down [2048, 768]: 3.0 MB each, together far more than the CPU's caches), the
+experts spread over a pool of threads (the native calls release the GIL); it reports the
+median rate of expert weights read (GB/s, 1e9 B/s), min-max over the rounds, per thread count,
+and what that rate means for a 30B token whose host-placed experts the CPU computes: 1.097 GB
+of active expert weights a token (bench/RESULTS.md, "Ceilings") over the rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from moestream import native  # noqa: E402
+
+H, F = 2048, 768
+Q4_K_ROW, Q6_K_ROW = H // 256 * 144, F // 256 * 210
+EXPERT_BYTES_PER_TOKEN = 1.097e9  # the 30B's 8 of 128 experts x 48 layers (RESULTS ceilings)
+
+
+def random_q4_k(rows: int, rng: np.random.Generator) -> np.ndarray:
+    data = rng.integers(0, 256, (rows, Q4_K_ROW), dtype=np.uint8)
+    blocks = data.reshape(rows, -1, 144)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(2**-10).tobytes(), np.uint8)  # d
+    blocks[:, :, 2:4] = np.frombuffer(np.float16(2**-12).tobytes(), np.uint8)  # dmin
+    return data
+
+
+def random_q6_k(rows: int, rng: np.random.Generator) -> np.ndarray:
+    data = rng.integers(0, 256, (rows, Q6_K_ROW), dtype=np.uint8)
+    data.reshape(rows, -1, 210)[:, :, 208:210] = np.frombuffer(
+        np.float16(2**-10).tobytes(), np.uint8
+    )
+    return data
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", default="1,2,4,8,16", help="thread counts, comma separated")
+    ap.add_argument("--experts", type=int, default=96, help="distinct experts per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    experts = [(random_q4_k(F, rng), random_q4_k(F, rng), random_q6_k(H, rng))
+               for _ in range(args.experts)]  # fmt: skip
+    nbytes = sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in experts)
+    xq = rng.integers(-127, 128, H, dtype=np.int8)
+    xd = np.full(H // 32, 0.01, np.float32)
+    xs = (xd * 3).astype(np.float32)
+
+    def one(e: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+        hq, hd, hs = native.gate_up_q4_k(e[0], e[1], xq, xd, xs, 8)
+        return native.down_rows(e[2], True, hq, hd, hs, 0.125, 4)
+
+    one(experts[0])  # builds the library
+    print(f"{args.experts} experts, {nbytes / 1e6:.0f} MB of weights a round")
+    print("| threads | GB/s of expert weights (median, min-max) | 30B token's experts, ms |")
+    print("|---|---|---|")
+    for n in (int(v) for v in args.threads.split(",")):
+        with ThreadPoolExecutor(n) as pool:
+            rates = []
+            for _ in range(args.rounds):
+                t = time.perf_counter()
+                list(pool.map(one, experts))
+                rates.append(nbytes / (time.perf_counter() - t) / 1e9)
+        med = statistics.median(rates)
+        print(f"| {n} | {med:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
+              f"{EXPERT_BYTES_PER_TOKEN / med / 1e6:.1f} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
