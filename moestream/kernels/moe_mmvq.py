@@ -274,7 +274,7 @@ def _gate_up_once_kernel(
     E_ADDR, A, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
     TOPK: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, ADDR: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr = False,
 ):  # fmt: skip
     """Program (assignment a, block of BLOCK_N F rows): the block's gate and up rows over the
     whole of K against token a // TOPK's activations, loaded once per K step and shared by
@@ -283,10 +283,15 @@ def _gate_up_once_kernel(
     the program stores h as float32 in hf [A, F], and the last of the 32 / BLOCK_N programs of
     a q8 block to arrive (an arrival counter per (a, block), count [A, F/32], zero before the
     launch and reset by that program) reads the block back and writes it quantized. Experts as
-    in `_gate_up_mmvq_kernel` (slot table, or ADDR byte addresses)."""
+    in `_gate_up_mmvq_kernel` (slot table, or ADDR byte addresses). With HOST an expert whose
+    slot is negative is computed by the host (`host_rows` of `fused_moe_mmvq`): its programs
+    return at once."""
     pdl_start(PDL)
     a = tl.program_id(0)
     nb = tl.program_id(1)
+    if HOST:  # noqa: SIM102 (a constexpr first: no load without HOST)
+        if tl.load(slot_ptr + tl.load(ids_ptr + a)) < 0:
+            return
     g_base, u_base, xq, xd, xs = _pair_operands(
         a, ids_ptr, slot_ptr, addr_ptr, E_ADDR, g_ptr, u_ptr, stride_ge, stride_ue,
         xq_ptr, xd_ptr, xs_ptr, stride_xq, stride_xd, TOPK, ADDR,
@@ -358,6 +363,7 @@ def _down_mmvq_kernel(
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr,
     ROWS: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    host_ptr=None, HOST: tl.constexpr = False,
 ):  # fmt: skip
     """Program (token t, block of H rows, expert split s): out[t] = sum_j weight_j *
     down_slot_j(h_{t,j}).
@@ -376,8 +382,16 @@ def _down_mmvq_kernel(
     loads would have had a register layout of their own, and moving the pointers derived from
     them into the tile's layout cost a shared-memory conversion (and a barrier) per load (seen
     in the sm_90 build). The routing weight scales each expert's block scales. With ADDR,
-    expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G."""
+    expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G.
+
+    HOST (with one expert a chunk, tree sums, the runs tile, one step: `REPRODUCIBLE_DOWN`): an
+    expert whose slot is negative was computed by the host, which wrote its weighted sums in
+    host [A, H] float32; the program adds that row where it would have added the expert's own
+    sums (its loads masked off), so the token's bits are those of the expert computed here."""
     pdl_start(PDL)
+    if HOST:
+        tl.static_assert(CHUNK == 1 and TREE and not ROWS and not ADDR and SPLIT == 1)
+        tl.static_assert(G * 256 >= F, "HOST: all of F in one step")
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -406,7 +420,12 @@ def _down_mmvq_kernel(
                 if ADDR:
                     d_base = _aligned_address(tl.load(addr_ptr + 2 * E_ADDR + eid))
                 else:
-                    d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
+                    d_slot = tl.load(slot_ptr + eid).to(tl.int64)
+                    d_base = d_ptr + d_slot * stride_de
+                    if HOST:
+                        # a host expert: nothing to load (the slot as a tensor: Triton 3.9's
+                        # interpreter takes no scalar term in a load mask)
+                        ok = ok & (sb * 0 + d_slot >= 0)
                 wt = tl.load(weights_ptr + a).to(tl.float32)
                 rows = d_base + nc * stride_dn
                 xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
@@ -417,6 +436,10 @@ def _down_mmvq_kernel(
                     part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
+            elif HOST:  # CHUNK == 1: `a` and `d_slot` are this chunk's one expert's
+                mine = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+                theirs = tl.load(host_ptr + a * H + nr, mask=nr * 0 + d_slot < 0, other=0.0)
+                y += tl.where(d_slot < 0, theirs, mine)
             else:
                 y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
     if SPLIT > 1:  # the last of the SPLIT programs to arrive adds their partials in order
@@ -549,12 +572,16 @@ def gate_up_q8(
     cfg: MoeMmvqConfig,
     counters: torch.Tensor | None,
     hf: torch.Tensor | None = None,
+    host: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The "mmvq" path's gate/up launch: h = silu(gate x) * up x of every assignment (token
     a // k against expert topk_ids[a]), rounded to q8 blocks -> (hq [A, F/4] int32 words,
     hd [A, F/32], hs [A, F/32] float32), as the down kernel reads them. `hf` (float32 [A, F]):
     the "once" kernel's buffer for h before rounding where it takes fewer than 32 rows a
-    program (tests read it)."""
+    program (tests read it). `host`: experts whose slot is negative are computed by the host
+    (their rows of the outputs are left as they are; the "once" kernel only)."""
+    if host and (not cfg.up_once or expert_slot is None):
+        raise ValueError("host experts need the once gate/up and a slot table")
     a, k, h, f = topk_ids.numel(), topk_ids.shape[1], gate.shape[2], gate.shape[1]
     hq = torch.empty((a, f // 4), dtype=torch.int32, device=xa.q.device)  # [A, F/4]
     hd = torch.empty((a, f // 32), dtype=torch.float32, device=xa.q.device)  # [A, F/32]
@@ -579,7 +606,7 @@ def gate_up_q8(
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
             F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=groups,
-            BLOCK_N=block_n, ADDR=use_addr, ASM=asm,
+            BLOCK_N=block_n, ADDR=use_addr, ASM=asm, HOST=host,
             num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), groups),
             **pdl_args(xa.q.device), **FP_EXACT,
         )  # fmt: skip
@@ -613,10 +640,17 @@ def fused_moe_mmvq(
     out: torch.Tensor,
     cfg: MoeMmvqConfig,
     counters: torch.Tensor | None,
+    host_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The "mmvq" path of `moe.fused_moe` (the other arguments checked there; `xa` and
     `counters` here) -> out: three launches (x's quantization unless `xa` is given, gate/up,
-    down)."""
+    down).
+
+    `host_rows` (float32 [A, H]): the experts whose slot is negative were computed by the host
+    (`moestream.native`: gate/up, SiLU, h's rounding and the weighted down sum of each, with
+    this path's bits), row a for assignment a; the kernels skip those experts and add their
+    rows in their place. Needs `cfg` with `REPRODUCIBLE_DOWN`'s fields, the "once" gate/up and
+    F within one down step: the output then has the bits it has with every expert here."""
     if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
         raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
     t, h = x.shape
@@ -631,7 +665,18 @@ def fused_moe_mmvq(
     n_addr = expert_addr.shape[1] if use_addr else 0
     slot = expert_slot if expert_slot is not None else topk_ids  # likewise
     asm = use_asm(x.device)
-    hq, hd, hs = gate_up_q8(xa, topk_ids, gate, up, expert_slot, expert_addr, cfg, counters)
+    host = host_rows is not None
+    if host:
+        fields = {name: getattr(cfg, name) for name in REPRODUCIBLE_DOWN}
+        if fields != REPRODUCIBLE_DOWN or cfg.down_split != 1 or use_addr:
+            raise ValueError("host_rows need REPRODUCIBLE_DOWN, no down split, a slot table")
+        if host_rows.shape != (topk_ids.numel(), h) or host_rows.dtype != torch.float32:
+            raise ValueError(f"host_rows must be float32 [{topk_ids.numel()}, {h}]")
+        if min(cfg.down_groups, triton.next_power_of_2(f // 256)) * 256 < f:
+            raise ValueError("host_rows need all of F in one down step (down_groups)")
+    hq, hd, hs = gate_up_q8(
+        xa, topk_ids, gate, up, expert_slot, expert_addr, cfg, counters, host=host
+    )
     split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
     chunk = _divisor_at_most(k // split, cfg.down_experts)
     blocks = triton.cdiv(h, cfg.down_block_n)
@@ -646,5 +691,6 @@ def fused_moe_mmvq(
         G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk, SPLIT=split,
         TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
         ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device), **FP_EXACT,
+        host_ptr=host_rows, HOST=host,
     )  # fmt: skip
     return out

@@ -95,7 +95,7 @@ GATE_UP.update(ASM=True, PDL=True)
 DOWN = dict(
     QD=12, F=768, TOPK=8, BLOCK_N=4, G=4, CHUNK=8, SPLIT=1, TREE=False, ROWS=False, ASM=True
 )
-DOWN["PDL"] = True
+DOWN.update(PDL=True, HOST=False)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def test_q4_k_min_term_rounds_once_in_every_layout():
 # The decode MoE kernels of both paths and the q8 rounding, at the Qwen3-30B-A3B shapes (Q4_K
 # gate/up, Q6_K and Q4_K down), as they launch (`kernels.exact.FP_EXACT`).
 ONCE = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_N=4, ADDR=False, ASM=True)
-ONCE["PDL"] = True
+ONCE.update(PDL=True, HOST=False)
 GROUPED_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=8, ASM=True)
 GROUPED_UP["PDL"] = True
 GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True)
@@ -178,15 +178,25 @@ EXACT_BUILDS = {
     "once gate/up": ("moe_mmvq", "_gate_up_once_kernel", ONCE, 1, MMVQ_POINTERS, MMVQ_ALIGNED),
     "tile gate/up": ("moe_mmvq", "_gate_up_mmvq_kernel", GATE_UP, 8, MMVQ_POINTERS,
                      MMVQ_ALIGNED),
-    "down Q4_K": ("moe_mmvq", "_down_mmvq_kernel", DOWN, 4, MMVQ_POINTERS, MMVQ_ALIGNED),
-    "down Q6_K": ("moe_mmvq", "_down_mmvq_kernel", {**DOWN, "QD": 14, "BLOCK_N": 8}, 1,
-                  MMVQ_POINTERS, MMVQ_ALIGNED),
+    "down Q4_K": ("moe_mmvq", "_down_mmvq_kernel", {**DOWN, "ADDR": False}, 4, MMVQ_POINTERS,
+                  MMVQ_ALIGNED),
+    "down Q6_K": ("moe_mmvq", "_down_mmvq_kernel",
+                  {**DOWN, "QD": 14, "BLOCK_N": 8, "ADDR": False}, 1, MMVQ_POINTERS,
+                  MMVQ_ALIGNED),
     "grouped gate/up": ("moe_grouped", "_gate_up_grouped_kernel", GROUPED_UP, 1,
                         GROUPED_POINTERS, GROUPED_ALIGNED),
     "grouped down": ("moe_grouped", "_down_grouped_kernel", GROUPED_DOWN, 1,
                      GROUPED_DOWN_POINTERS, {"stride_de", "stride_dn"}),
     "q8 rounding": ("mmvq", "_quantize_q8_kernel", dict(BLOCKS=8, PDL=True), 4, Q8_POINTERS,
                     {"stride_xm", "stride_qm", "stride_dm"}),
+    # with experts computed by the host (`fused_moe_mmvq(host_rows=...)`): the reproducible down
+    "once gate/up, host experts": ("moe_mmvq", "_gate_up_once_kernel", {**ONCE, "HOST": True},
+                                   1, MMVQ_POINTERS, MMVQ_ALIGNED),
+    "down, host experts": ("moe_mmvq", "_down_mmvq_kernel",
+                           {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 1, "TREE": True,
+                            "HOST": True, "ADDR": False}, 4,
+                           {**MMVQ_POINTERS, "host_ptr": "*fp32"},
+                           MMVQ_ALIGNED),
 }  # fmt: skip
 
 

@@ -160,3 +160,48 @@ def cpu_token(xq, xd, xs, ids, weights, gate, up, down, up_g: int, down_g: int) 
                              float(weights[j]), down_g)  # fmt: skip
         y = y + t
     return y
+
+
+def test_host_rows_give_the_bits_of_every_expert_on_the_device() -> None:
+    """A token whose middle expert is computed by the native code (slot -1, its weighted sums
+    passed as `host_rows`) gets the output the kernels give with all three experts in slots:
+    expert placement does not change a bit. Without the reproducible down launch the kernels
+    refuse host rows."""
+    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, fused_moe_mmvq
+
+    e, f, h = 4, 256, 256
+    g = torch.Generator().manual_seed(31)
+    gate = QTensor(q4_k_stack(e * f, h, seed=32).data.view(e, f, -1), T.Q4_K, (e, f, h))
+    up = QTensor(q4_k_stack(e * f, h, seed=33).data.view(e, f, -1), T.Q4_K, (e, f, h))
+    down_values = torch.randn(e, h, f, generator=g) * 0.05
+    down = QTensor(torch.from_numpy(quantize(down_values, T.Q6_K)), T.Q6_K, (e, h, f))
+    x = torch.randn(1, h, generator=g)
+    ids = torch.tensor([[2, 0, 3]])
+    weights = torch.softmax(torch.randn(1, 3, generator=g), dim=-1)
+    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
+    resident = torch.arange(e, dtype=torch.int32)
+    hybrid = torch.tensor([-1, 1, 2, 3], dtype=torch.int32)  # expert 0 on the host
+    with exact_interpreter():
+        want = torch.full((1, h), float("nan"))
+        fused_moe_mmvq(x, None, ids, weights, gate, up, down, resident, None, want, cfg, None)
+        xa = quantize_q8(x)
+        host = torch.full((3, h), float("nan"))
+        for a in range(3):
+            t, j = divmod(a, 3)
+            if int(ids[t, j]) != 0:
+                continue
+            hq, hd, hs = native.gate_up_q4_k(
+                native.as_numpy(gate.data[0]), native.as_numpy(up.data[0]),
+                native.as_numpy(xa.q[t]).view(np.int8), native.as_numpy(xa.d[t]),
+                native.as_numpy(xa.s[t]), 1,
+            )  # fmt: skip
+            row = native.down_rows(native.as_numpy(down.data[0]), True, hq, hd, hs,
+                                   float(weights[t, j]), 1)  # fmt: skip
+            host[a] = torch.from_numpy(row)
+        got = torch.full((1, h), float("nan"))
+        fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, None, got, cfg, None,
+                       host_rows=host)  # fmt: skip
+    assert np.array_equal(bits(got.numpy()), bits(want.numpy()))
+    with pytest.raises(ValueError, match="REPRODUCIBLE_DOWN"):
+        fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, None, got, DEFAULT_CONFIG,
+                       None, host_rows=host)  # fmt: skip
