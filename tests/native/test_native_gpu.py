@@ -65,3 +65,52 @@ def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
             y = y + native.down_rows(rows[2], down_type == T.Q6_K, hq, hd, hs, wt, down_g)
         differ = int((y.view(np.int32) != want[i].view(np.int32)).sum())
         assert differ == 0, f"token {i}: {differ} of {h} outputs differ"
+
+
+def test_host_rows_on_the_gpu_keep_the_bits() -> None:
+    """At the 30B's shapes on the GPU: two tokens whose experts 0-3 are computed by the native
+    code (slot -1, `host_rows`) get the output of all experts in slots, bit for bit."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    try:
+        native.library()
+    except native.NativeUnavailable as e:
+        pytest.skip(f"native code unavailable: {e}")
+    from moestream.kernels.mmvq import quantize_q8
+    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
+
+    e, f, h, k, t = 16, 768, 2048, 8, 2
+    g = torch.Generator().manual_seed(41)
+
+    def stack(qtype, shape):
+        values = torch.randn(shape, generator=g) * 0.05
+        return QTensor(torch.from_numpy(quantize(values, qtype)), qtype, shape)
+
+    gate, up, down = stack(T.Q4_K, (e, f, h)), stack(T.Q4_K, (e, f, h)), stack(T.Q6_K, (e, h, f))
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    dev = torch.device("cuda")
+    gpu = [QTensor(w.data.to(dev), w.qtype, w.shape).aligned() for w in (gate, up, down)]
+    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
+    xg, idg, wg = x.to(dev), ids.to(dev), weights.to(dev)
+    xa = quantize_q8(xg)
+    want = torch.full((t, h), float("nan"), device=dev)
+    resident = torch.arange(e, dtype=torch.int32, device=dev)
+    fused_moe_mmvq(xg, xa, idg, wg, *gpu, resident, None, want, cfg, None)
+    host = torch.zeros(t * k, h)
+    for a in range(t * k):
+        i, j = divmod(a, k)
+        ex = int(ids[i, j])
+        if ex >= 4:
+            continue
+        xq = native.as_numpy(xa.q[i]).view(np.int8)
+        rows = [native.as_numpy(w.data[ex]) for w in (gate, up, down)]
+        hq, hd, hs = native.gate_up_q4_k(rows[0], rows[1], xq, native.as_numpy(xa.d[i]),
+                                         native.as_numpy(xa.s[i]), 8)  # fmt: skip
+        host[a] = torch.from_numpy(native.down_rows(rows[2], True, hq, hd, hs,
+                                                    float(weights[i, j]), 4))  # fmt: skip
+    hybrid = torch.where(torch.arange(e) < 4, -1, torch.arange(e)).to(dev, torch.int32)
+    got = torch.full((t, h), float("nan"), device=dev)
+    fused_moe_mmvq(xg, xa, idg, wg, *gpu, hybrid, None, got, cfg, None, host_rows=host.to(dev))
+    assert (ids < 4).any()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
