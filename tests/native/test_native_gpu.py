@@ -21,29 +21,47 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
-def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
+def need_native() -> None:
     pytest.importorskip("triton", reason="triton is not installed")
     try:
         native.library()
     except native.NativeUnavailable as e:
         pytest.skip(f"native code unavailable: {e}")
-    from moestream.kernels.mmvq import quantize_q8
-    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
 
-    e, f, h, k, t = 16, 768, 2048, 8, 2
-    g = torch.Generator().manual_seed(21)
+
+def operands(seed: int, down_type: T, e: int = 16, t: int = 2) -> tuple:
+    """Random CPU operands at the Qwen3-30B-A3B shapes (H 2048, F 768, top-8 of e experts, Q4_K
+    gate/up): gate, up, down, x [t, H], ids [t, 8], weights [t, 8]."""
+    g = torch.Generator().manual_seed(seed)
 
     def stack(qtype, shape):
         values = torch.randn(shape, generator=g) * 0.05
         return QTensor(torch.from_numpy(quantize(values, qtype)), qtype, shape)
 
+    f, h, k = 768, 2048, 8
     gate, up, down = stack(T.Q4_K, (e, f, h)), stack(T.Q4_K, (e, f, h)), stack(down_type, (e, h, f))
     x = torch.randn(t, h, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    return gate, up, down, x, ids, weights
+
+
+def on_gpu(gate: QTensor, up: QTensor, down: QTensor) -> list[QTensor]:
+    """The stacks on the GPU as a resident model holds them (Q6_K padded)."""
     dev = torch.device("cuda")
-    gpu = [QTensor(w.data.to(dev), w.qtype, w.shape).aligned() for w in (gate, up, down)]
+    return [QTensor(w.data.to(dev), w.qtype, w.shape).aligned() for w in (gate, up, down)]
+
+
+@pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
+def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
+    need_native()
+    from moestream.kernels.mmvq import quantize_q8
+    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
+
+    gate, up, down, x, ids, weights = operands(21, down_type)
+    (e, f, h), (t, k) = gate.shape, ids.shape
+    dev = torch.device("cuda")
+    gpu = on_gpu(gate, up, down)
     cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
     out = torch.full((t, h), float("nan"), device=dev)
     slot = torch.arange(e, dtype=torch.int32, device=dev)
@@ -70,27 +88,14 @@ def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
 def test_host_rows_on_the_gpu_keep_the_bits() -> None:
     """At the 30B's shapes on the GPU: two tokens whose experts 0-3 are computed by the native
     code (slot -1, `host_rows`) get the output of all experts in slots, bit for bit."""
-    pytest.importorskip("triton", reason="triton is not installed")
-    try:
-        native.library()
-    except native.NativeUnavailable as e:
-        pytest.skip(f"native code unavailable: {e}")
+    need_native()
     from moestream.kernels.mmvq import quantize_q8
     from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
 
-    e, f, h, k, t = 16, 768, 2048, 8, 2
-    g = torch.Generator().manual_seed(41)
-
-    def stack(qtype, shape):
-        values = torch.randn(shape, generator=g) * 0.05
-        return QTensor(torch.from_numpy(quantize(values, qtype)), qtype, shape)
-
-    gate, up, down = stack(T.Q4_K, (e, f, h)), stack(T.Q4_K, (e, f, h)), stack(T.Q6_K, (e, h, f))
-    x = torch.randn(t, h, generator=g)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    weights = torch.softmax(torch.randn(t, k, generator=g), dim=-1)
+    gate, up, down, x, ids, weights = operands(41, T.Q6_K)
+    (e, _, h), (t, k) = gate.shape, ids.shape
     dev = torch.device("cuda")
-    gpu = [QTensor(w.data.to(dev), w.qtype, w.shape).aligned() for w in (gate, up, down)]
+    gpu = on_gpu(gate, up, down)
     cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
     xg, idg, wg = x.to(dev), ids.to(dev), weights.to(dev)
     xa = quantize_q8(xg)
