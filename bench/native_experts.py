@@ -8,6 +8,11 @@ experts spread over a pool of threads (the native calls release the GIL); it rep
 median rate of expert weights read (GB/s, 1e9 B/s), min-max over the rounds, per thread count,
 and what that rate means for a 30B token whose host-placed experts the CPU computes: 1.097 GB
 of active expert weights a token (bench/RESULTS.md, "Ceilings") over the rate.
+
+Then a layer's host experts of one token in one call (`native.moe_host_rows`, its threads
+OpenMP's): 4 of the token's 8 experts (half the experts on the host) and all 8, the median
+time a call over `--rounds` x 12 calls (each call other experts), and 48 layers of it: the
+host's share of a 30B token.
 """
 
 from __future__ import annotations
@@ -78,6 +83,24 @@ def main() -> int:
         med = statistics.median(rates)
         print(f"| {n} | {med:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
               f"{EXPERT_BYTES_PER_TOKEN / med / 1e6:.1f} |")  # fmt: skip
+    print("\n| threads | host experts a token and layer | ms a layer (median, min-max) | "
+          "48 layers, ms | GB/s |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    x_rows = (xq[None], xd[None], xs[None])
+    for n in (int(v) for v in args.threads.split(",")):
+        for per_token in (4, 8):
+            times = []
+            for r in range(args.rounds * 12):
+                chosen = [experts[(r * per_token + i) % len(experts)] for i in range(per_token)]
+                layer = [(g, u, d, True) for g, u, d in chosen]
+                t = time.perf_counter()
+                native.moe_host_rows(layer, [0] * per_token, [0.125] * per_token, *x_rows, 8, 4,
+                                     threads=n)  # fmt: skip
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            gbs = per_token * nbytes / len(experts) / med / 1e9
+            print(f"| {n} | {per_token} | {med * 1e3:.2f} ({min(times) * 1e3:.2f}-"
+                  f"{max(times) * 1e3:.2f}) | {48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
     return 0
 
 

@@ -69,26 +69,40 @@ def _build() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise NativeUnavailable(f"no C compiler ({cc!r} not found; set CC)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS, _cpu_features()]).encode()).hexdigest()
-    key = key[:16]
-    out = _cache_dir() / f"experts-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            tmp_out = Path(tmp) / out.name
-            run = subprocess.run(
-                [cc, *FLAGS, "-o", str(tmp_out), str(SOURCE), "-lm"],
-                capture_output=True, text=True,
-            )  # fmt: skip
-            if run.returncode != 0:
-                raise NativeUnavailable(f"{cc} failed on {SOURCE.name}: {run.stderr[-2000:]}")
-            os.replace(tmp_out, out)  # atomic: another process may build the same file
-    lib = ctypes.CDLL(str(out))
+    errors = []
+    for extra in (["-fopenmp"], []):  # threads in moe_host_rows where the compiler has OpenMP
+        flags = [*FLAGS, *extra]
+        key = hashlib.sha256(src + " ".join([cc, *flags, _cpu_features()]).encode()).hexdigest()
+        out = _cache_dir() / f"experts-{key[:16]}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                tmp_out = Path(tmp) / out.name
+                run = subprocess.run(
+                    [cc, *flags, "-o", str(tmp_out), str(SOURCE), "-lm"],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if run.returncode != 0:
+                    errors.append(f"{cc} {' '.join(extra)}: {run.stderr[-1500:]}")
+                    continue
+                os.replace(tmp_out, out)  # atomic: another process may build the same file
+        try:
+            lib = ctypes.CDLL(str(out))
+        except OSError as e:
+            errors.append(f"loading {out.name}: {e}")
+            continue
+        break
+    else:
+        raise NativeUnavailable(f"cannot build {SOURCE.name}: " + " | ".join(errors))
     p = ctypes.c_void_p
     lib.gate_up_q4_k.argtypes = [p, p, ctypes.c_int64, *[ctypes.c_int] * 4, *[p] * 7]
     lib.gate_up_q4_k.restype = ctypes.c_int
     lib.down_rows.argtypes = [p, ctypes.c_int64, *[ctypes.c_int] * 5, p, p, p, ctypes.c_float, p]
     lib.down_rows.restype = ctypes.c_int
+    ints = [ctypes.c_int] * 4
+    lib.moe_host_rows.argtypes = [ctypes.c_int, *[p] * 6, ctypes.c_int64, p, *ints, *[p] * 7]
+    lib.moe_host_rows.argtypes += [ctypes.c_int]
+    lib.moe_host_rows.restype = ctypes.c_int
     lib.native_force_scalar.argtypes = [ctypes.c_int]
     lib.native_force_scalar.restype = None
     lib.silu_rn_n.argtypes = [p, p, ctypes.c_int64]
@@ -188,6 +202,60 @@ def down_rows(
             f"{row_bytes}-byte rows"
         )
     return out
+
+
+def moe_host_rows(
+    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]],
+    tokens: list[int],
+    weights: list[float],
+    xq: np.ndarray,
+    xd: np.ndarray,
+    xs: np.ndarray,
+    up_groups_per_step: int,
+    down_groups_per_step: int,
+    threads: int = 1,
+) -> np.ndarray:
+    """The weighted down sums of a layer's host-computed assignments (float32 [n, H]): the i-th
+    is token tokens[i]'s expert experts[i] = (gate, up, down, down is Q6_K) (uint8 Q4_K gate/up
+    rows [F, H / 256 * 144], down rows [H, F / 256 * (210 or 144)], as in the file) with routing
+    weight weights[i]; each row as `gate_up_q4_k` then `down_rows` give it, computed by
+    `threads` threads in one call (OpenMP where the build has it). xq int8 [T, H], xd and xs
+    float32 [T, H / 32]: the tokens' q8 rows as the GPU rounded them."""
+    n = len(experts)
+    if not (len(tokens) == len(weights) == n):
+        raise ValueError("experts, tokens and weights differ in length")
+    t, h = xq.shape
+    if xq.dtype != np.int8 or xd.shape != (t, h // 32) or xs.shape != (t, h // 32):
+        raise ValueError("xq must be int8 [T, H] with xd, xs float32 [T, H / 32]")
+    if n == 0:
+        return np.empty((0, h), np.float32)
+    f = experts[0][0].shape[0]
+    for gate, up, down, _ in experts:
+        if gate.shape != experts[0][0].shape or up.shape != gate.shape:
+            raise ValueError("gate and up must be alike in every expert")
+        if down.shape[0] != h or not all(a.flags.c_contiguous and a.dtype == np.uint8
+                                         for a in (gate, up, down)):  # fmt: skip
+            raise ValueError("expert weights must be contiguous uint8 rows of the layer's shape")
+    if not all(0 <= v < t for v in tokens):
+        raise ValueError("a token is out of range")
+    down_bytes = np.array([d.shape[1] for _, _, d, _ in experts], np.int64)
+    addr = [np.array([e[i].ctypes.data for e in experts], np.uint64) for i in range(3)]
+    q6 = np.array([int(e[3]) for e in experts], np.int32)
+    tok = np.array(tokens, np.int32)
+    wt = np.array(weights, np.float32)
+    xq, xd, xs = (np.ascontiguousarray(a) for a in (xq, xd, xs))
+    hq = np.empty((n, f), np.int8)
+    hd = np.empty((n, f // 32), np.float32)
+    hs = np.empty((n, f // 32), np.float32)
+    rows = np.empty((n, h), np.float32)
+    rc = library().moe_host_rows(
+        n, *(_ptr(a) for a in addr), _ptr(q6), _ptr(tok), _ptr(wt), experts[0][0].shape[1],
+        _ptr(down_bytes), h, f, up_groups_per_step, down_groups_per_step,
+        _ptr(xq), _ptr(xd), _ptr(xs), _ptr(hq), _ptr(hd), _ptr(hs), _ptr(rows), threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"moe_host_rows cannot take H={h}, F={f} with these groups per step")
+    return rows
 
 
 @contextlib.contextmanager

@@ -430,3 +430,49 @@ int down_rows(const uint8_t *w, int64_t row_bytes, int q6, int f, int n0, int n1
     }
     return 0;
 }
+
+/* A layer's host experts for a batch of assignments, spread over `threads` threads (OpenMP
+ * where the build has it): assignment i is token tok[i]'s expert whose weights are at gate[i],
+ * up[i], down[i] (down Q6_K where q6[i], its rows down_row_bytes[i] apart), routing weight
+ * wt[i]. Phase 1 computes every
+ * assignment's q8 h in blocks of 32 rows (hq [n][F], hd and hs [n][F / 32] scratch), phase 2
+ * its weighted down sums in blocks of 64 rows into rows [n][H]: each value as gate_up_q4_k and
+ * down_rows give it, whatever the threads. x: the tokens' q8 rows xq [T][H], xd and xs
+ * [T][H / 32]. Returns 0, or -1 for arguments the row functions cannot take. */
+int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_t *down,
+                  const int32_t *q6, const int32_t *tok, const float *wt, int64_t gu_row_bytes,
+                  const int64_t *down_row_bytes, int h, int f, int up_g, int down_g, const int8_t *xq,
+                  const float *xd, const float *xs, int8_t *hq, float *hd, float *hs,
+                  float *rows, int threads) {
+    int up_blocks = f / 32, down_blocks = (h + 63) / 64, bad = 0;
+    if (f % 256 || h % 256 || n < 0) {
+        return -1;
+    }
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(| : bad)
+#endif
+    for (int task = 0; task < n * up_blocks; task++) {
+        int i = task / up_blocks, b = task % up_blocks;
+        const int8_t *x = xq + (size_t)tok[i] * h;
+        const float *d = xd + (size_t)tok[i] * (h / 32), *s = xs + (size_t)tok[i] * (h / 32);
+        bad |= gate_up_q4_k((const uint8_t *)(uintptr_t)gate[i],
+                            (const uint8_t *)(uintptr_t)up[i], gu_row_bytes, h, 32 * b,
+                            32 * b + 32, up_g, x, d, s, hq + (size_t)i * f,
+                            hd + (size_t)i * (f / 32), hs + (size_t)i * (f / 32), NULL) != 0;
+    }
+    if (bad) {
+        return -1;
+    }
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(| : bad)
+#endif
+    for (int task = 0; task < n * down_blocks; task++) {
+        int i = task / down_blocks, b = task % down_blocks;
+        int n1 = 64 * b + 64 < h ? 64 * b + 64 : h;
+        bad |= down_rows((const uint8_t *)(uintptr_t)down[i], down_row_bytes[i], q6[i], f, 64 * b,
+                         n1, down_g, hq + (size_t)i * f, hd + (size_t)i * (f / 32),
+                         hs + (size_t)i * (f / 32), wt[i], rows + (size_t)i * h) != 0;
+    }
+    return bad ? -1 : 0;
+}

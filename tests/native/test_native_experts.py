@@ -205,3 +205,33 @@ def test_host_rows_give_the_bits_of_every_expert_on_the_device() -> None:
     with pytest.raises(ValueError, match="REPRODUCIBLE_DOWN"):
         fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, None, got, DEFAULT_CONFIG,
                        None, host_rows=host)  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_moe_host_rows_equal_the_row_functions_at_any_thread_count(threads: int) -> None:
+    """A layer's host assignments in one call, spread over threads: each row as gate_up_q4_k
+    then down_rows give it (Q6_K and Q4_K downs, two tokens); bad shapes are a ValueError."""
+    f, h = 256, 512
+    rng = np.random.default_rng(5)
+    experts = []
+    for i in range(3):
+        gate = native.as_numpy(q4_k_stack(f, h, seed=50 + i).data[0])
+        up = native.as_numpy(q4_k_stack(f, h, seed=60 + i).data[0])
+        q6 = i != 1
+        values = torch.from_numpy(rng.standard_normal((h, f)).astype(np.float32) * 0.05)
+        down = quantize(values, T.Q6_K if q6 else T.Q4_K)
+        experts.append((gate, up, down, q6))
+    xa = quantize_q8(torch.randn(2, h, generator=torch.Generator().manual_seed(6)))
+    xq = native.as_numpy(xa.q).view(np.int8)
+    xd, xs = native.as_numpy(xa.d), native.as_numpy(xa.s)
+    tokens, weights = [0, 1, 1], [0.5, 0.25, 0.125]
+    rows = native.moe_host_rows(experts, tokens, weights, xq, xd, xs, 2, 1, threads=threads)
+    for i, (gate, up, down, q6) in enumerate(experts):
+        t = tokens[i]
+        hq, hd, hs = native.gate_up_q4_k(gate, up, xq[t], xd[t], xs[t], 2)
+        want = native.down_rows(down, q6, hq, hd, hs, weights[i], 1)
+        assert np.array_equal(bits(rows[i]), bits(want)), i
+    with pytest.raises(ValueError, match="cannot take"):
+        native.moe_host_rows(experts, tokens, weights, xq, xd, xs, 3, 1)
+    with pytest.raises(ValueError, match="length"):
+        native.moe_host_rows(experts, tokens[:2], weights, xq, xd, xs, 2, 1)
