@@ -32,6 +32,7 @@ FLAGS += ["-fno-fast-math"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
+_error: NativeUnavailable | None = None  # a failed build is not tried again in this process
 
 
 class NativeUnavailable(RuntimeError):
@@ -45,10 +46,16 @@ def _cache_dir() -> Path:
 
 def library() -> ctypes.CDLL:
     """The compiled `experts.c` (built once per source, flags and compiler)."""
-    global _lib
+    global _lib, _error
     with _lock:
+        if _error is not None:
+            raise _error
         if _lib is None:
-            _lib = _build()
+            try:
+                _lib = _build()
+            except NativeUnavailable as e:
+                _error = e
+                raise
         return _lib
 
 
@@ -83,7 +90,8 @@ def _build() -> ctypes.CDLL:
                     capture_output=True, text=True,
                 )  # fmt: skip
                 if run.returncode != 0:
-                    errors.append(f"{cc} {' '.join(extra)}: {run.stderr[-1500:]}")
+                    tail = " / ".join(run.stderr.strip().splitlines()[-8:])
+                    errors.append(f"{cc} {' '.join(extra)}: {tail[-1500:]}")
                     continue
                 os.replace(tmp_out, out)  # atomic: another process may build the same file
         try:
