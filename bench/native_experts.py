@@ -25,30 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from moestream import native  # noqa: E402
+from moestream.kernels.tuner import random_weight  # noqa: E402
 
 H, F = 2048, 768
-Q4_K_ROW, Q6_K_ROW = H // 256 * 144, F // 256 * 210
 EXPERT_BYTES_PER_TOKEN = 1.097e9  # the 30B's 8 of 128 experts x 48 layers (RESULTS ceilings)
-
-
-def random_q4_k(rows: int, rng: np.random.Generator) -> np.ndarray:
-    data = rng.integers(0, 256, (rows, Q4_K_ROW), dtype=np.uint8)
-    blocks = data.reshape(rows, -1, 144)
-    blocks[:, :, 0:2] = np.frombuffer(np.float16(2**-10).tobytes(), np.uint8)  # d
-    blocks[:, :, 2:4] = np.frombuffer(np.float16(2**-12).tobytes(), np.uint8)  # dmin
-    return data
-
-
-def random_q6_k(rows: int, rng: np.random.Generator) -> np.ndarray:
-    data = rng.integers(0, 256, (rows, Q6_K_ROW), dtype=np.uint8)
-    data.reshape(rows, -1, 210)[:, :, 208:210] = np.frombuffer(
-        np.float16(2**-10).tobytes(), np.uint8
-    )
-    return data
 
 
 def main() -> int:
@@ -58,8 +43,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    experts = [(random_q4_k(F, rng), random_q4_k(F, rng), random_q6_k(H, rng))
-               for _ in range(args.experts)]  # fmt: skip
+    cpu = torch.device("cpu")
+
+    def weight(label: str, shape: tuple[int, int], seed: int) -> np.ndarray:
+        return random_weight(label, shape, cpu, seed).data.numpy()  # [rows, row bytes]
+
+    experts = [(weight("Q4_K", (F, H), 3 * i), weight("Q4_K", (F, H), 3 * i + 1),
+                weight("Q6_K", (H, F), 3 * i + 2)) for i in range(args.experts)]  # fmt: skip
     nbytes = sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in experts)
     xq = rng.integers(-127, 128, H, dtype=np.int8)
     xd = np.full(H // 32, 0.01, np.float32)

@@ -39,12 +39,14 @@ FP_EXACT: dict[str, bool] = {"enable_fp_fusion": False}
 # exp(x) = 2^k * exp(r), k = floor(x * log2(e) + 1/2), r = x - k * ln 2 (ln 2 split in two, the
 # high part with 12 significant bits so that k * LN2_HI is exact for |k| < 2^12); exp(r) for
 # |r| <= ln(2) / 2 by its Taylor polynomial to degree 7 (truncation < 6e-9 relative, under
-# a tenth of an ulp).
-LOG2E = 1.4426950408889634
-LN2_HI = 0.693145751953125
-LN2_LO = 1.4286067653302226e-06
-EXP_COEFFS = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)  # degree 7 down to 0
-EXP_LO, EXP_HI = -87.0, 88.0  # x is clamped here: 2^k stays a normal float (k in -126..127)
+# a tenth of an ulp). Constexprs: the kernel and its CPU copy read the same constants.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2_HI = tl.constexpr(0.693145751953125)
+LN2_LO = tl.constexpr(1.4286067653302226e-06)
+C7, C6, C5, C4 = (tl.constexpr(1 / 5040), tl.constexpr(1 / 720), tl.constexpr(1 / 120),
+                  tl.constexpr(1 / 24))  # fmt: skip
+C3, C2 = tl.constexpr(1 / 6), tl.constexpr(1 / 2)
+EXP_LO, EXP_HI = tl.constexpr(-87.0), tl.constexpr(88.0)  # x clamped: 2^k stays normal
 
 
 @triton.jit
@@ -52,15 +54,15 @@ def exp_rn(x):
     """exp(x) for float32 x from correctly rounded operations only (the module docstring):
     within 2 ulp of exp for x in [-87, 88]; x is clamped to that range first (so silu_rn(g)
     for g < -87 is g / (1 + e^88), under 1e-35 in magnitude as silu(g) is)."""
-    x = tl.minimum(tl.maximum(x, -87.0), 88.0)
-    k = tl.floor(x * 1.4426950408889634 + 0.5)
-    r = tl.fma(k, -0.693145751953125, x)
-    r = tl.fma(k, -1.4286067653302226e-06, r)
-    p = tl.fma(r, 1.0 / 5040.0, 1.0 / 720.0)
-    p = tl.fma(p, r, 1.0 / 120.0)
-    p = tl.fma(p, r, 1.0 / 24.0)
-    p = tl.fma(p, r, 1.0 / 6.0)
-    p = tl.fma(p, r, 0.5)
+    x = tl.minimum(tl.maximum(x, EXP_LO), EXP_HI)
+    k = tl.floor(x * LOG2E + 0.5)
+    r = tl.fma(k, -LN2_HI, x)
+    r = tl.fma(k, -LN2_LO, r)
+    p = tl.fma(r, C7, C6)
+    p = tl.fma(p, r, C5)
+    p = tl.fma(p, r, C4)
+    p = tl.fma(p, r, C3)
+    p = tl.fma(p, r, C2)
     p = tl.fma(p, r, 1.0)
     p = tl.fma(p, r, 1.0)
     scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2^k
@@ -100,13 +102,13 @@ def fma_f32(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
 def exp_rn_ref(x: torch.Tensor) -> torch.Tensor:
     """`exp_rn` on the CPU, operation for operation (float32 in, float32 out)."""
     f = _fma_torch
-    x = x.float().clamp(EXP_LO, EXP_HI)
-    k = torch.floor(x * torch.tensor(LOG2E, dtype=torch.float32) + 0.5)
-    r = f(k, -LN2_HI, x)
-    r = f(k, -LN2_LO, r)
-    p = f(r, EXP_COEFFS[0], EXP_COEFFS[1])
-    for c in EXP_COEFFS[2:]:
-        p = f(p, r, c)
+    x = x.float().clamp(EXP_LO.value, EXP_HI.value)
+    k = torch.floor(x * torch.tensor(LOG2E.value, dtype=torch.float32) + 0.5)
+    r = f(k, -LN2_HI.value, x)
+    r = f(k, -LN2_LO.value, r)
+    p = f(r, C7.value, C6.value)
+    for c in (C5, C4, C3, C2, 1.0, 1.0):
+        p = f(p, r, getattr(c, "value", c))
     scale = ((k.to(torch.int32) + 127) << 23).view(torch.float32)
     return p * scale
 

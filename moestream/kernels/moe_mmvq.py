@@ -436,12 +436,12 @@ def _down_mmvq_kernel(
                     part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
-            elif HOST:  # CHUNK == 1: `a` and `d_slot` are this chunk's one expert's
-                mine = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
-                theirs = tl.load(host_ptr + a * H + nr, mask=nr * 0 + d_slot < 0, other=0.0)
-                y += tl.where(d_slot < 0, theirs, mine)
             else:
-                y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+                sums = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+                if HOST:  # CHUNK == 1: `a` and `d_slot` are this chunk's one expert's
+                    host = tl.load(host_ptr + a * H + nr, mask=nr * 0 + d_slot < 0, other=0.0)
+                    sums = tl.where(d_slot < 0, host, sums)
+                y += sums
     if SPLIT > 1:  # the last of the SPLIT programs to arrive adds their partials in order
         parts = part_ptr + t * SPLIT * H + n  # [BN] of split 0
         tl.store(parts + tl.program_id(2) * H, y, mask=n < H)
@@ -562,6 +562,16 @@ def check_xa(xa: Q8Act, x: torch.Tensor) -> None:
         raise ValueError(f"xa must be the q8 blocks of x [{t}, {h}] (quantize_q8) on x's device")
 
 
+def _expert_tables(
+    topk_ids: torch.Tensor, expert_slot: torch.Tensor | None, expert_addr: torch.Tensor | None
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(addr, its experts, slot) as the kernels take them: the table in use, and topk_ids as an
+    unused pointer in place of the other."""
+    if expert_addr is not None:
+        return expert_addr, expert_addr.shape[1], topk_ids
+    return topk_ids, 0, expert_slot if expert_slot is not None else topk_ids
+
+
 def gate_up_q8(
     xa: Q8Act,
     topk_ids: torch.Tensor,
@@ -586,10 +596,8 @@ def gate_up_q8(
     hq = torch.empty((a, f // 4), dtype=torch.int32, device=xa.q.device)  # [A, F/4]
     hd = torch.empty((a, f // 32), dtype=torch.float32, device=xa.q.device)  # [A, F/32]
     hs = torch.empty_like(hd)
+    addr, n_addr, slot = _expert_tables(topk_ids, expert_slot, expert_addr)
     use_addr = expert_addr is not None
-    addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
-    n_addr = expert_addr.shape[1] if use_addr else 0
-    slot = expert_slot if expert_slot is not None else topk_ids  # likewise
     asm = use_asm(xa.q.device)
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))
     if cfg.up_once:
@@ -660,10 +668,8 @@ def fused_moe_mmvq(
         xa = quantize_q8(x)  # [T, H] -> q8 blocks
     else:
         check_xa(xa, x)
+    addr, n_addr, slot = _expert_tables(topk_ids, expert_slot, expert_addr)
     use_addr = expert_addr is not None
-    addr = expert_addr if use_addr else topk_ids  # an unused pointer otherwise
-    n_addr = expert_addr.shape[1] if use_addr else 0
-    slot = expert_slot if expert_slot is not None else topk_ids  # likewise
     asm = use_asm(x.device)
     host = host_rows is not None
     if host:

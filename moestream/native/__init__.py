@@ -73,15 +73,15 @@ def _cpu_features() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _arch_flags() -> list[str]:
-    """-march=x86-64-v3 where this CPU has its features, else nothing (the compiler's default:
-    on aarch64 fma is in the base instruction set)."""
+def _arch_flags(features: str) -> list[str]:
+    """-march=x86-64-v3 where this CPU (`_cpu_features`) has its features, else nothing (the
+    compiler's default: on aarch64 fma is in the base instruction set)."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     flags = set()
-    for line in _cpu_features().splitlines():
+    for line in features.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
     return ["-march=x86-64-v3"] if flags >= X86_64_V3 else []
@@ -93,12 +93,13 @@ def _build() -> ctypes.CDLL:
         raise NativeUnavailable(f"no C compiler ({cc!r} not found; set CC)")
     src = SOURCE.read_bytes()
     errors = []
-    arch = _arch_flags()
+    features = _cpu_features()
+    arch = _arch_flags(features)
     # threads in moe_host_rows where the compiler has OpenMP; the target where it knows it
     tries = [[*arch, "-fopenmp"], ["-fopenmp"], arch, []] if arch else [["-fopenmp"], []]
     for extra in tries:
         flags = [*FLAGS, *extra]
-        key = hashlib.sha256(src + " ".join([cc, *flags, _cpu_features()]).encode()).hexdigest()
+        key = hashlib.sha256(src + " ".join([cc, *flags, features]).encode()).hexdigest()
         out = _cache_dir() / f"experts-{key[:16]}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +138,14 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
+def _check_arrays(**arrays: tuple[np.ndarray, type]) -> None:
+    """ValueError unless each named array is C-contiguous of its dtype (the C code takes raw
+    pointers)."""
+    for name, (a, dtype) in arrays.items():
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array")
+
+
 def _ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
@@ -162,10 +171,8 @@ def gate_up_q4_k(
     rounding."""
     f, row_bytes = gate.shape
     k = xq.shape[0]
-    for name, a, dtype in (("gate", gate, np.uint8), ("up", up, np.uint8), ("xq", xq, np.int8),
-                           ("xd", xd, np.float32), ("xs", xs, np.float32)):  # fmt: skip
-        if a.dtype != dtype or not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array")
+    _check_arrays(gate=(gate, np.uint8), up=(up, np.uint8), xq=(xq, np.int8),
+                  xd=(xd, np.float32), xs=(xs, np.float32))  # fmt: skip
     if up.shape != gate.shape or xd.shape != (k // 32,) or xs.shape != (k // 32,):
         raise ValueError("gate/up or the activation scales do not match")
     if out is None:
@@ -209,10 +216,8 @@ def down_rows(
     those rows of `out` (float32 [H], allocated when not given)."""
     h, row_bytes = down.shape
     f = hq.shape[0]
-    for name, a, dtype in (("down", down, np.uint8), ("hq", hq, np.int8),
-                           ("hd", hd, np.float32), ("hs", hs, np.float32)):  # fmt: skip
-        if a.dtype != dtype or not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be a contiguous {np.dtype(dtype).name} array")
+    _check_arrays(down=(down, np.uint8), hq=(hq, np.int8), hd=(hd, np.float32),
+                  hs=(hs, np.float32))  # fmt: skip
     if hd.shape != (f // 32,) or hs.shape != (f // 32,):
         raise ValueError("the q8 scales do not match hq")
     out = np.empty(h, np.float32) if out is None else out
@@ -252,17 +257,16 @@ def moe_host_rows(
     if not (len(tokens) == len(weights) == n):
         raise ValueError("experts, tokens and weights differ in length")
     t, h = xq.shape
-    if xq.dtype != np.int8 or xd.shape != (t, h // 32) or xs.shape != (t, h // 32):
+    _check_arrays(xq=(xq, np.int8), xd=(xd, np.float32), xs=(xs, np.float32))
+    if xd.shape != (t, h // 32) or xs.shape != (t, h // 32):
         raise ValueError("xq must be int8 [T, H] with xd, xs float32 [T, H / 32]")
     if n == 0:
         return np.empty((0, h), np.float32)
     f = experts[0][0].shape[0]
     for gate, up, down, _ in experts:
-        if gate.shape != experts[0][0].shape or up.shape != gate.shape:
-            raise ValueError("gate and up must be alike in every expert")
-        if down.shape[0] != h or not all(a.flags.c_contiguous and a.dtype == np.uint8
-                                         for a in (gate, up, down)):  # fmt: skip
-            raise ValueError("expert weights must be contiguous uint8 rows of the layer's shape")
+        _check_arrays(gate=(gate, np.uint8), up=(up, np.uint8), down=(down, np.uint8))
+        if gate.shape != experts[0][0].shape or up.shape != gate.shape or down.shape[0] != h:
+            raise ValueError("every expert's gate, up and down must have the layer's shape")
     if not all(0 <= v < t for v in tokens):
         raise ValueError("a token is out of range")
     down_bytes = np.array([d.shape[1] for _, _, d, _ in experts], np.int64)
@@ -270,7 +274,6 @@ def moe_host_rows(
     q6 = np.array([int(e[3]) for e in experts], np.int32)
     tok = np.array(tokens, np.int32)
     wt = np.array(weights, np.float32)
-    xq, xd, xs = (np.ascontiguousarray(a) for a in (xq, xd, xs))
     hq = np.empty((n, f), np.int8)
     hd = np.empty((n, f // 32), np.float32)
     hs = np.empty((n, f // 32), np.float32)

@@ -211,18 +211,7 @@ static void scale_min(const uint8_t *q, int s, float *sc, float *mn) {
     *mn = (float)b;
 }
 
-/* The dot product of 4 words (16 values) of quants (low or high nibbles) with int8 values. */
-static int32_t dot16(const uint8_t *qs, int high, const int8_t *x) {
-    int32_t s = 0;
-    for (int i = 0; i < 16; i++) {
-        int q = high ? (qs[i] >> 4) : (qs[i] & 15);
-        s += q * (int32_t)x[i];
-    }
-    return s;
-}
-
-/* One Q4_K block's header: d, dmin and the 8 sub-block scales and mins as floats (zeros for a
- * masked group, as the kernel's masked loads give). */
+/* One Q4_K block's header: d, dmin and the 8 sub-block scales and mins as floats. */
 typedef struct {
     float d, dmin, sc[8], mn[8];
 } q4k_head;

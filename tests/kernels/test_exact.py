@@ -131,11 +131,9 @@ def test_decode_moe_launches_turn_contraction_off(monkeypatch) -> None:
 
     for module, name in kernels:
         monkeypatch.setattr(module, name, Spy(name))
-    from moestream.weights.qtensor import QTensor
     from tests.kernels.test_moe_kernel import two_experts
 
     x, ids, weights, gate, up, down, slot = two_experts([[1, 0]], [[0.75, 0.25]], seed=3)
-    assert isinstance(gate, QTensor)
     out = torch.empty(1, x.shape[1])
     for cfg in (moe_mmvq.DEFAULT_CONFIG, moe_mmvq.MoeMmvqConfig(up_once=False)):
         moe_mmvq.fused_moe_mmvq(x, None, ids, weights, gate, up, down, slot, None, out, cfg,
