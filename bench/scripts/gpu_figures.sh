@@ -964,6 +964,7 @@ PY
   s14b)  # the 30B's decode at 1 and 8 requests: contraction off (the default: arms on1, on2)
     # against on (arms off1, off2: FP_EXACT emptied; SiLU stays exact); then the down kernel in
     # its reproducible launch (moe_mmvq.REPRODUCIBLE_DOWN) against the default, in turn
+    lscpu | grep -i "model name\|^cpu(s)\|thread\|socket\|mhz\|flags" | cut -c1-400
     synth qwen3-30b-a3b q30
     onoff_ab exact "import moestream.kernels.exact as e; e.FP_EXACT.clear(); "
     moe_ab base1= rep1="down_experts=1, down_tree=True, down_rows=False" \

@@ -406,7 +406,8 @@ def _down_mmvq_kernel(
     y = tl.zeros([BLOCK_N], tl.float32)
     PER: tl.constexpr = TOPK // SPLIT  # experts of this program
     c0 = tl.program_id(2) * PER
-    for c in tl.range(c0, c0 + PER, CHUNK, loop_unroll_factor=1):
+    for cc in tl.range(0, PER, CHUNK, loop_unroll_factor=1):  # from 0: Triton 3.6's interpreter
+        c = c0 + cc  # cannot range from a program id
         for i in range(0, F // 256, G):
             sb = i + r // SUB
             ok = sb < F // 256
