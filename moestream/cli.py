@@ -165,6 +165,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "used most with the device-placed ones it used least (0: keep the placement of load "
         "time)",
     )
+    e.add_argument(
+        "--expert-cpu-fraction",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="with --expert-zero-copy: the CPU's cores compute this fraction of each layer's "
+        "host-placed experts (the GPU reads the rest across the host link), with the GPU's bits; "
+        "one host sync per layer, no CUDA graphs. Needs Q4_K gate/up and a C compiler",
+    )
+    e.add_argument(
+        "--expert-cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="threads for --expert-cpu-fraction (default: every core this process may use)",
+    )
 
 
 def _budget_args(g) -> None:
@@ -367,6 +383,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "deterministic": args.deterministic,
         "expert_zero_copy": args.expert_zero_copy,
         "expert_rebalance_steps": args.expert_rebalance_steps,
+        "expert_cpu_fraction": args.expert_cpu_fraction,
+        "expert_cpu_threads": args.expert_cpu_threads,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,

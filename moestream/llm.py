@@ -125,7 +125,9 @@ class LLM:
     device budget on the device, the rest in pinned host memory the GPU reads in place
     (`experts.zero_copy`), and every `expert_rebalance_steps` engine steps promotes the experts
     the routing uses most to the device (`ZeroCopyExperts.rebalance`; 0: placement fixed at
-    load). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
+    load); `expert_cpu_fraction` of each layer's host-placed experts are then computed by the
+    host's cores (`expert_cpu_threads`; `experts.host_compute`) instead of read across the
+    host link. `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
     weights on a GPU (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip
     dequantizing them: memory for prefill speed; decode and results are unchanged. On the CPU
     it keeps copies in the model's dtype for every matmul (None, the default: up to
@@ -155,6 +157,8 @@ class LLM:
         deterministic: bool = False,
         expert_zero_copy: bool = False,
         expert_rebalance_steps: int = 64,
+        expert_cpu_fraction: float = 0.0,
+        expert_cpu_threads: int | None = None,
         weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
@@ -181,13 +185,20 @@ class LLM:
             raise RequestError("expert_zero_copy needs gpu_expert_cache_gib")
         if expert_rebalance_steps < 0:
             raise RequestError(f"expert_rebalance_steps must be >= 0, got {expert_rebalance_steps}")
+        if expert_cpu_fraction and not expert_zero_copy:
+            raise RequestError("expert_cpu_fraction needs expert_zero_copy")
+        if not 0.0 <= expert_cpu_fraction <= 1.0:
+            raise RequestError(f"expert_cpu_fraction must be in [0, 1], got {expert_cpu_fraction}")
+        if expert_cpu_threads is not None and expert_cpu_threads < 1:
+            raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
         if expert_zero_copy:
             # Device slots and pinned host memory, read in place (no streaming); hot experts
             # move to the device between steps (`rebalance_experts`).
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             self.zero_copy = attach_zero_copy(
-                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib
-            )
+                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib,
+                expert_cpu_fraction, expert_cpu_threads,
+            )  # fmt: skip
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.
             self.expert_store = build_expert_store(

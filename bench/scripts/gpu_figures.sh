@@ -125,6 +125,9 @@
 #   bench/scripts/gpu_figures.sh s14a    reproducible MoE arithmetic and native CPU experts: GPU bits
 #                                        vs the interpreter's and the C code's, greedy GPU vs CPU
 #   bench/scripts/gpu_figures.sh s14b    the 30B: contraction off vs on; reproducible down vs default
+#   bench/scripts/gpu_figures.sh s15a    per-expert down sums vs default; the 30B at 50% of experts
+#                                        on the device, host experts over the link or on the CPU
+#   bench/scripts/gpu_figures.sh s15b    the same at 25% and 10%
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -194,6 +197,12 @@ ab_decode() {  # ab_decode WHAT ARM PRELUDE SECONDS: one arm of an A/B of a mode
     > /tmp/r/ab.log 2>&1
   echo "[$1 $2 rc=$?]"; grep "^| 0 \|^| 1 \|^| 8 \|^| 16 \|^| 32 " /tmp/r/ab.log
   cp "/tmp/r/ab_$2/result.json" "$out/ab_$1_$2.json" 2>/dev/null
+}
+hyb() {  # hyb PERCENT GIB FRACTION: the 30B with GIB of experts on the device (PERCENT of
+  # them), the rest in pinned host memory, FRACTION of those computed by the host's cores
+  bench "hyb${1}_f$3" 170 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib "$2" \
+    --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction "$3" --prompt-lens 32 \
+    --decode-depths 0 --decode-tokens 32 --repeats 3 --concurrency 8 --concurrency-prompt 32
 }
 onoff_ab() {  # onoff_ab WHAT PRELUDE: ab_decode's arms off1, on1, on2, off2 (32 tokens), the
   # off arms run after PRELUDE
@@ -969,6 +978,22 @@ PY
     onoff_ab exact "import moestream.kernels.exact as e; e.FP_EXACT.clear(); "
     moe_ab base1= rep1="down_experts=1, down_tree=True, down_rows=False" \
       rep2="down_experts=1, down_tree=True, down_rows=False" base2=
+    ;;
+  s15a)  # the down kernel's per-expert reduction (down_each: the reproducible bits at 8
+    # experts a chunk) against the default; the native GPU tests; the 30B at half its experts
+    # on the device, the rest read across the host link (fraction 0) or a third of them
+    # computed by the host's cores
+    timeout 150 python3 -m pytest tests/native/test_native_gpu.py -q -p no:cacheprovider -rf \
+      2>&1 | tail -4
+    synth qwen3-30b-a3b q30
+    moe_ab base1= each1="down_each=True, down_tree=True, down_rows=False" \
+      each2="down_each=True, down_tree=True, down_rows=False" base2=
+    hyb 50 8.8 0; hyb 50 8.8 0.33
+    ;;
+  s15b)  # the 30B at a quarter and a tenth of its experts on the device, link only or a third
+    # of the host experts computed by the host's cores
+    synth qwen3-30b-a3b q30
+    hyb 25 4.4 0; hyb 25 4.4 0.33; hyb 10 1.76 0; hyb 10 1.76 0.33
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

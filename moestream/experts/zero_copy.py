@@ -23,9 +23,13 @@ where no placement does better than any other and the noise margin keeps swaps r
 (tests), both tiers are ordinary memory and the layer takes the per-expert reference path through
 `weights(e)`.
 
+With `n_cpu`, the first `n_cpu` host slots of each layer are computed by the host's cores
+instead of read across the link (`experts.host_compute`: one host synchronisation per layer, the
+GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
+
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
-`read_counts()` (reads between two rebalances count for the tier the expert was in); swaps
-and the bytes they copied.
+`read_counts()` (reads between two rebalances count for the tier the expert was in: "device",
+"host" across the link, "cpu" computed by the host); swaps and the bytes they copied.
 
 Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
 """
@@ -35,9 +39,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from moestream.errors import CapacityError, UnsupportedError
+from moestream.experts.host_compute import HostCompute, LayerHostWork
 from moestream.weights.qtensor import QTensor
 
 # A host-placed expert replaces a device-placed one only when its heat exceeds the other's by
@@ -54,6 +61,13 @@ NOISE_SIGMAS = 3.0
 HEAT_DECAY = 0.5
 
 
+def host_computable(stacks: Sequence[QTensor]) -> bool:
+    """Whether the host's native code can compute these experts (`native.moe_host_rows`)."""
+    gate, up, down = stacks
+    q = GGMLQuantizationType
+    return gate.qtype == up.qtype == q.Q4_K and down.qtype in (q.Q4_K, q.Q6_K)
+
+
 class ZeroCopyExperts:
     """The `ExpertProvider` of one layer under zero-copy placement (module docstring)."""
 
@@ -62,11 +76,19 @@ class ZeroCopyExperts:
         stacks: Sequence[QTensor],
         n_device: int,
         device: torch.device | str,
+        n_cpu: int = 0,
+        compute: HostCompute | None = None,
     ):
         gate, up, down = stacks  # [E, F, H], [E, F, H], [E, H, F] (host, file layout)
         e = gate.shape[0]
         if not 0 <= n_device <= e:
             raise ValueError(f"n_device {n_device} not in [0, {e}]")
+        if not 0 <= n_cpu <= e - n_device:
+            raise ValueError(f"n_cpu {n_cpu} not in [0, {e - n_device}] (the host slots)")
+        if n_cpu and (compute is None or not host_computable(stacks)):
+            raise UnsupportedError(
+                "host-computed experts need Q4_K gate/up, a Q4_K or Q6_K down and a HostCompute"
+            )
         self.device = torch.device(device)
         self.n_device = n_device
         self._expert_bytes = sum(w.data[0].numel() * w.data.element_size() for w in stacks)
@@ -92,7 +114,7 @@ class ZeroCopyExperts:
         self.expert_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
         self._reads = torch.zeros(e, dtype=torch.int64, device=self.device)  # [E] per expert
         self._seen = [0] * e  # `_reads` at the last rebalance
-        self._tier_reads = {"device": 0, "host": 0}  # reads up to the last rebalance, by tier
+        self._tier_reads = {"device": 0, "host": 0, "cpu": 0}  # reads to the last rebalance
         self.heat = [0.0] * e
         self.swaps = 0
         # Types, shapes and row strides for the kernel (a slot of each stack: S = 1).
@@ -101,6 +123,33 @@ class ZeroCopyExperts:
             for k, w in enumerate((gate, up, down))
         )
         self._views = [self._view(i) for i in range(e)]
+        # Host-computed experts: the first n_cpu host slots (`experts.host_compute`).
+        self.n_cpu = n_cpu
+        self.fully_resident = n_cpu == 0  # else host work every forward (no CUDA graph)
+        self.host_marked = np.array([self._computed_by_host(i) for i in range(e)])  # [E] bool
+        self.host_marks = torch.tensor(
+            [-1 if m else 0 for m in self.host_marked], dtype=torch.int32, device=self.device
+        )  # [E]: the kernels' marks (negative: the host's)
+        self._q6_down = down.qtype == GGMLQuantizationType.Q6_K
+        self.host_work: LayerHostWork | None = None
+        if n_cpu:
+            from moestream.kernels.moe_mmvq import HYBRID_CONFIG, down_groups, up_groups
+
+            self.host_work = LayerHostWork(
+                compute,  # type: ignore[arg-type]
+                self,
+                up_groups(HYBRID_CONFIG, gate.shape[2]),
+                down_groups(HYBRID_CONFIG, gate.shape[1]),
+            )
+
+    def _computed_by_host(self, e: int) -> bool:
+        return not self._on_device[e] and self._slot[e] < self.n_cpu
+
+    def host_arrays(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Host-placed expert e's gate, up and down bytes (uint8 rows, the file's layout) and
+        whether down is Q6_K, as `native.moe_host_rows` takes them."""
+        g, u, d = (self._host[k].data[self._slot[e]].numpy() for k in range(3))
+        return g, u, d, self._q6_down
 
     def _slot_data(self, kind: int, e: int) -> torch.Tensor:
         tier = self._dev if self._on_device[e] else self._host
@@ -119,7 +168,7 @@ class ZeroCopyExperts:
         them (`rebalance_all` reads every layer's in one sync); else one device sync."""
         reads = self._reads.tolist() if reads is None else list(reads)
         for e, (now, seen) in enumerate(zip(reads, self._seen)):
-            self._tier_reads["device" if self._on_device[e] else "host"] += now - seen
+            self._tier_reads[self._tier(e)] += now - seen
             self.heat[e] = HEAT_DECAY * self.heat[e] + (now - seen)
         self._seen = reads
         host = sorted((e for e in range(len(reads)) if not self._on_device[e]), key=self._hotter)
@@ -154,13 +203,13 @@ class ZeroCopyExperts:
             for k in range(3):
                 self.expert_addr[k, e] = self._slot_data(k, e).data_ptr()
             self._views[e] = self._view(e)
+            self.host_marked[e] = self._computed_by_host(e)
+            self.host_marks[e] = -1 if self.host_marked[e] else 0
 
     # ---- ExpertProvider ----------------------------------------------------------------------
     @property
     def num_experts(self) -> int:
         return self.expert_addr.shape[1]
-
-    fully_resident = True  # every expert has a fixed place: no host work per forward
 
     def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
         return self._views[e]  # type: ignore[return-value]
@@ -177,11 +226,17 @@ class ZeroCopyExperts:
         self._reads.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
     def read_counts(self) -> dict[str, int]:
-        """Expert reads so far: {"device": n, "host": n} (one device sync)."""
+        """Expert reads so far: {"device": n, "host": n (across the link), "cpu": n (computed
+        by the host)} (one device sync)."""
         counts = dict(self._tier_reads)
         for e, (now, seen) in enumerate(zip(self._reads.tolist(), self._seen)):
-            counts["device" if self._on_device[e] else "host"] += now - seen
+            counts[self._tier(e)] += now - seen
         return counts
+
+    def _tier(self, e: int) -> str:
+        if self._on_device[e]:
+            return "device"
+        return "cpu" if self.host_marked[e] else "host"
 
     @property
     def expert_bytes(self) -> int:
@@ -208,20 +263,27 @@ def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float 
     """Reads per tier over all layers so far, the share served from the device, the bytes
     that crossed the host link for reads, and the swaps of `rebalance` with the bytes they
     copied (both experts of a swap cross the link; one device sync per layer)."""
-    device = host = host_bytes = swaps = swap_bytes = 0
+    device = host = cpu = host_bytes = cpu_bytes = swaps = swap_bytes = 0
     for p in providers:
         c = p.read_counts()
         device += c["device"]
         host += c["host"]
+        cpu += c["cpu"]
         host_bytes += c["host"] * p.expert_bytes
+        cpu_bytes += c["cpu"] * p.expert_bytes
         swaps += p.swaps
         swap_bytes += 2 * p.swaps * p.expert_bytes
-    total = device + host
+    total = device + host + cpu
+    compute = next((p.host_work.compute for p in providers if p.host_work), None)
     return {
+        "cpu_wait_seconds": compute.counters["wait_s"] if compute else 0.0,
+        "cpu_compute_seconds": compute.counters["compute_s"] if compute else 0.0,
         "device_reads": device,
         "host_reads": host,
+        "cpu_reads": cpu,
         "device_read_share": device / total if total else 0.0,
         "host_link_bytes": host_bytes,
+        "cpu_bytes": cpu_bytes,
         "swaps": swaps,
         "swap_bytes": swap_bytes,
     }
@@ -235,9 +297,13 @@ def zero_copy_metric_families(
     docs = {
         "device_reads": "Expert reads served from device memory (zero-copy placement)",
         "host_reads": "Expert reads served from pinned host memory over the host link",
+        "cpu_reads": "Expert reads computed by the host's cores from pinned host memory",
         "host_link_bytes": "Expert bytes read over the host link",
+        "cpu_bytes": "Expert bytes read by the host's cores",
         "swaps": "Host-placed experts promoted to the device (a colder one demoted each)",
         "swap_bytes": "Expert bytes copied between the tiers by promotions",
+        "cpu_wait_seconds": "Time the host waited for the GPU's routing before computing experts",
+        "cpu_compute_seconds": "Time the host spent computing experts",
     }
     for name, doc in docs.items():
         yield f"moestream_expert_zero_copy_{name}", doc, "counter", float(snapshot[name])
@@ -253,11 +319,17 @@ def attach_zero_copy(
     model: object,
     gpu_expert_cache_gib: float,
     host_expert_cache_gib: float | None = None,
+    cpu_fraction: float = 0.0,
+    cpu_threads: int | None = None,
 ) -> list[ZeroCopyExperts]:
     """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
     stacks are host views of the file) by `ZeroCopyExperts` with as many experts per layer on
     the device as `gpu_expert_cache_gib` holds. The rest go to pinned host memory, which must
-    fit `host_expert_cache_gib` when given (CapacityError otherwise)."""
+    fit `host_expert_cache_gib` when given (CapacityError otherwise). `cpu_fraction` of those
+    (rounded to whole experts per layer) are computed by the host's cores (`cpu_threads`,
+    default all), the others read across the host link."""
+    if not 0.0 <= cpu_fraction <= 1.0:
+        raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
     moes = list(model.moe_layers())  # type: ignore[attr-defined]
     if not moes:
         raise UnsupportedError("zero-copy expert placement applies to MoE models only")
@@ -273,9 +345,17 @@ def attach_zero_copy(
             f"{host_expert_cache_gib:g}"
         )
     device = model.device  # type: ignore[attr-defined]
+    n_cpu = round(cpu_fraction * (e - n_device))
+    compute = None
+    if n_cpu:
+        if not all(host_computable(st) for st in stacks):
+            raise UnsupportedError(
+                "experts computed by the host need Q4_K gate/up and a Q4_K or Q6_K down"
+            )
+        compute = HostCompute(torch.device(device), cpu_threads)
     providers = []
     for moe, st in zip(moes, stacks, strict=True):
-        provider = ZeroCopyExperts(st, n_device, device)
+        provider = ZeroCopyExperts(st, n_device, device, n_cpu, compute)
         moe.experts = provider
         providers.append(provider)
     return providers

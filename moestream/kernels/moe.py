@@ -357,6 +357,7 @@ def fused_moe(
     expert_addr: torch.Tensor | None = None,
     xa: Q8Act | None = None,
     counters: torch.Tensor | None = None,
+    host_rows: torch.Tensor | moe_mmvq.HostWork | None = None,
 ) -> torch.Tensor:
     """The Triton MoE FFN: same contract as `ops.moe_forward_ref`, -> [T, H] in x's dtype.
 
@@ -378,7 +379,8 @@ def fused_moe(
     unless `moestream tune` cached another); "mmvq" and "grouped": `xa` x's q8 blocks when the
     caller already has them (`mmvq.quantize_q8(x)`; x then gives only shapes, dtype and device);
     "mmvq": `counters` the zero arrival counters of a gate/up split (`moe_mmvq.mmvq_counters`,
-    left zero; a fresh buffer per call when None).
+    left zero; a fresh buffer per call when None), `host_rows` the experts the host computes
+    (`moe_mmvq.fused_moe_mmvq`; their `expert_slot` entries negative).
     """
     check_moe_args(x, topk_ids, topk_weights, gate, up, down, expert_slot)
     if expert_slot is None and expert_addr is None:
@@ -410,8 +412,10 @@ def fused_moe(
             cfg = replace(cfg, down_block_n=block_n)
         return fused_moe_mmvq(
             x, xa, topk_ids, topk_weights, gate, up, down, expert_slot, expert_addr, out, cfg,
-            counters,
+            counters, host_rows,
         )  # fmt: skip
+    if host_rows is not None:
+        raise ValueError("host_rows need the mmvq path (at most 256 assignments)")
     if expert_addr is not None:
         raise ValueError("expert_addr needs the mmvq path (at most 256 assignments)")
     strides = (gate.data.stride(0), gate.data.stride(1), up.data.stride(0), up.data.stride(1))

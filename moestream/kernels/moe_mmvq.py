@@ -19,7 +19,8 @@ A = T*k assignments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import triton
@@ -47,6 +48,19 @@ from moestream.kernels.tuning import MoeShape, next_power_of_2, tuned, weight_la
 from moestream.weights.qtensor import QTensor
 
 
+class HostWork(Protocol):
+    """Experts that the host computes during one "mmvq" launch (`fused_moe_mmvq`'s
+    `host_rows`; `experts.host_compute`): their slots are marked negative."""
+
+    def begin(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, xa: Q8Act) -> None:
+        """Called after x's q8 rounding is queued, before the gate/up launch: start reading
+        the routing and the activations back (the GPU goes on meanwhile)."""
+
+    def rows(self) -> torch.Tensor:
+        """Called after the gate/up launch is queued: the host experts' weighted down sums,
+        float32 [A, H] on the device (rows of other assignments are not read)."""
+
+
 @dataclass(frozen=True)
 class MoeMmvqConfig:
     """Launch shape of the "mmvq" path (independent of T: a token's bits must not depend on the
@@ -66,7 +80,10 @@ class MoeMmvqConfig:
     `up_groups` groups per step, `up_warps` capped by `mmvq_once.capped_warps`;
     `up_split` and `up_fused` unused). `down_split`: the token's k experts spread over that many
     programs per block of rows (k / down_split each, `down_experts` at a time), each storing
-    its partial sums; the last to arrive adds them in order (1: one program walks all k)."""
+    its partial sums; the last to arrive adds them in order (1: one program walks all k).
+    `down_each`: each expert of a step reduced on its own and added in turn (the runs tile; all
+    of F in one step, `down_groups` raised to it): a token's output is then
+    ((0 + T_0) + T_1) + ... at any `down_experts`, which the CPU can follow."""
 
     # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`bench/kernels_gpu.py --sweep-moe`, 2026-11-30,
     # bench/RESULTS.md): 26.7 us at T = 1 and 123.2 us at T = 8, against 34.5 / 172.9 for the
@@ -86,6 +103,7 @@ class MoeMmvqConfig:
     up_once: bool = False
     up_block_n: int = 4
     down_split: int = 1
+    down_each: bool = False
 
     def __post_init__(self) -> None:
         if self.up_block_n not in (1, 2, 4, 8, 16, 32):
@@ -363,7 +381,7 @@ def _down_mmvq_kernel(
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr,
     ROWS: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-    host_ptr=None, HOST: tl.constexpr = False,
+    host_ptr=None, HOST: tl.constexpr = False, EACH: tl.constexpr = False,
 ):  # fmt: skip
     """Program (token t, block of H rows, expert split s): out[t] = sum_j weight_j *
     down_slot_j(h_{t,j}).
@@ -384,13 +402,20 @@ def _down_mmvq_kernel(
     in the sm_90 build). The routing weight scales each expert's block scales. With ADDR,
     expert e's down weight is at byte address addr[2, e]. F // 256 groups per step of G.
 
-    HOST (with one expert a chunk, tree sums, the runs tile, one step: `REPRODUCIBLE_DOWN`): an
-    expert whose slot is negative was computed by the host, which wrote its weighted sums in
-    host [A, H] float32; the program adds that row where it would have added the expert's own
-    sums (its loads masked off), so the token's bits are those of the expert computed here."""
+    EACH (the runs tile, all of F in one step): each expert of a chunk gets a tile of its own,
+    reduced on its own and added to y in selection order, so y = ((0 + T_0) + T_1) + ... with
+    T_j one expert's sum, at any CHUNK (the chunk's loads still in flight together).
+
+    HOST (EACH or one expert a chunk, tree sums, no split: `REPRODUCIBLE_DOWN`): an expert
+    whose slot is negative (with ADDR too: the slot table then marks host experts only) was
+    computed by the host, which wrote its weighted sums in host [A, H] float32; the program
+    adds that row where it would have added the expert's own sums (its loads masked off), so
+    the token's bits are those of the expert computed here."""
     pdl_start(PDL)
+    if EACH:
+        tl.static_assert(not ROWS and G * 256 >= F, "EACH: the runs tile, all of F in one step")
     if HOST:
-        tl.static_assert(CHUNK == 1 and TREE and not ROWS and not ADDR and SPLIT == 1)
+        tl.static_assert((CHUNK == 1 or EACH) and TREE and not ROWS and SPLIT == 1)
         tl.static_assert(G * 256 >= F, "HOST: all of F in one step")
     SUB: tl.constexpr = 8 if QD == 8 else 4  # runs of 8 words per group (Q8_0: 8 blocks)
     t = tl.program_id(0).to(tl.int64)
@@ -418,31 +443,37 @@ def _down_mmvq_kernel(
             for jj in tl.static_range(CHUNK):
                 a = t * TOPK + c + jj  # the assignment (scalar)
                 eid = tl.load(ids_ptr + a)
+                if HOST:
+                    mark = tl.load(slot_ptr + eid)  # negative: a host expert
                 if ADDR:
                     d_base = _aligned_address(tl.load(addr_ptr + 2 * E_ADDR + eid))
                 else:
-                    d_slot = tl.load(slot_ptr + eid).to(tl.int64)
-                    d_base = d_ptr + d_slot * stride_de
-                    if HOST:
-                        # a host expert: nothing to load (the slot as a tensor: Triton 3.9's
-                        # interpreter takes no scalar term in a load mask)
-                        ok = ok & (sb * 0 + d_slot >= 0)
+                    d_base = d_ptr + tl.load(slot_ptr + eid).to(tl.int64) * stride_de
+                mine = ok
+                if HOST:
+                    # a host expert: nothing to load (the mark as a tensor: Triton 3.9's
+                    # interpreter takes no scalar term in a load mask)
+                    mine = ok & (sb * 0 + mark >= 0)
+                if EACH:
+                    part = tl.zeros([1, BLOCK_N, SUB * G, 8], tl.float32)
                 wt = tl.load(weights_ptr + a).to(tl.float32)
                 rows = d_base + nc * stride_dn
                 xq, xd, xs = hq_ptr + a * (F // 4), hd_ptr + a * (F // 32), hs_ptr + a * (F // 32)
                 if ROWS:
-                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, ok, wt, xq, xd, QD == Q6_KP,
+                    part = _acc_q6_k_rows(part, rows, sb, r % SUB, mine, wt, xq, xd, QD == Q6_KP,
                                           ASM)  # fmt: skip
                 else:
-                    part = acc_runs(part, rows, sb, r % SUB, ok, wt, xq, xd, xs, QD, ASM)
+                    part = acc_runs(part, rows, sb, r % SUB, mine, wt, xq, xd, xs, QD, ASM)
+                if EACH or HOST:  # HOST without EACH: one expert a chunk
+                    sums = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+                    if HOST:
+                        host = tl.load(host_ptr + a * H + nr, mask=nr * 0 + mark < 0, other=0.0)
+                        sums = tl.where(mark < 0, host, sums)
+                    y += sums
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
-            else:
-                sums = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
-                if HOST:  # CHUNK == 1: `a` and `d_slot` are this chunk's one expert's
-                    host = tl.load(host_ptr + a * H + nr, mask=nr * 0 + d_slot < 0, other=0.0)
-                    sums = tl.where(d_slot < 0, host, sums)
-                y += sums
+            elif not (EACH or HOST):
+                y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
     if SPLIT > 1:  # the last of the SPLIT programs to arrive adds their partials in order
         parts = part_ptr + t * SPLIT * H + n  # [BN] of split 0
         tl.store(parts + tl.program_id(2) * H, y, mask=n < H)
@@ -468,11 +499,11 @@ def _down_mmvq_kernel(
 DEFAULT_CONFIG = MoeMmvqConfig(up_once=True, up_block_n=4, up_groups=8, up_warps=1)
 
 # Down-kernel fields that make a token's output reproducible on the CPU (`moestream.native`):
-# each expert's tile reduced on its own (one expert per chunk) by `tree_sum` in the
-# [1, rows, runs, words] tile, so that y = ((0 + T_0) + T_1) + ... with T_j one expert's sum,
-# which the CPU can compute for the experts it holds. Their cost against the default (all k
-# experts in one tile, plain sums, the Q6_K rows tile) is to be measured on the GPU.
-REPRODUCIBLE_DOWN = {"down_experts": 1, "down_tree": True, "down_rows": False}
+# each expert's tile reduced on its own by `tree_sum` in the [1, rows, runs, words] tile, so
+# that y = ((0 + T_0) + T_1) + ... with T_j one expert's sum, which the CPU can compute for the
+# experts it holds. With one expert a chunk instead of `down_each` (the same bits), the 30B's
+# batch-1 decode lost 17.5% on the H200 (bench/RESULTS.md, thirteenth session).
+REPRODUCIBLE_DOWN = {"down_each": True, "down_tree": True, "down_rows": False}
 
 # The launch shape of the zero-copy placement (`experts.zero_copy`: experts read by address,
 # some of them across the host link). H200, 30B layer with half its experts in pinned host memory
@@ -480,6 +511,9 @@ REPRODUCIBLE_DOWN = {"down_experts": 1, "down_tree": True, "down_rows": False}
 # for gate/up, 399 / 3,543 us at T = 1 / 8 against 426 / 4,060 for the device default; the host
 # link delivered 27-29 GB/s of expert bytes at T = 1 in every shape tried (16).
 ZERO_COPY_CONFIG = MoeMmvqConfig(up_groups=1, up_warps=8)
+# The launch shape of zero-copy placement with experts computed by the host
+# (`experts.host_compute`): the default "once" gate/up, the reproducible down.
+HYBRID_CONFIG = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
 
 
 def tuned_config(
@@ -568,9 +602,10 @@ def _expert_tables(
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(addr, its experts, slot) as the kernels take them: the table in use, and topk_ids as an
     unused pointer in place of the other."""
-    if expert_addr is not None:
-        return expert_addr, expert_addr.shape[1], topk_ids
-    return topk_ids, 0, expert_slot if expert_slot is not None else topk_ids
+    slot = expert_slot if expert_slot is not None else topk_ids
+    if expert_addr is not None:  # a slot table beside it marks host experts (`host_rows`)
+        return expert_addr, expert_addr.shape[1], slot
+    return topk_ids, 0, slot
 
 
 def gate_up_q8(
@@ -592,7 +627,7 @@ def gate_up_q8(
     program (tests read it). `host`: experts whose slot is negative are computed by the host
     (their rows of the outputs are left as they are; the "once" kernel only)."""
     if host and (not cfg.up_once or expert_slot is None):
-        raise ValueError("host experts need the once gate/up and a slot table")
+        raise ValueError("host experts need the once gate/up and a slot table (or marks)")
     a, k, h, f = topk_ids.numel(), topk_ids.shape[1], gate.shape[2], gate.shape[1]
     hq = torch.empty((a, f // 4), dtype=torch.int32, device=xa.q.device)  # [A, F/4]
     hd = torch.empty((a, f // 32), dtype=torch.float32, device=xa.q.device)  # [A, F/32]
@@ -610,7 +645,7 @@ def gate_up_q8(
             count = _arrivals(counters, a * (f // 32), xa.q.device)
         else:
             hf = hd
-        groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
+        groups = up_groups(cfg, h)
         _gate_up_once_kernel[(a, f // block_n)](
             xa.q, xa.d, xa.s, topk_ids, slot, gate.data, up.data, hq, hd, hs, addr, hf, count,
             n_addr, a, xa.q.stride(0), xa.d.stride(0), *strides,
@@ -636,6 +671,18 @@ def gate_up_q8(
     return hq, hd, hs
 
 
+def up_groups(cfg: MoeMmvqConfig, h: int) -> int:
+    """Groups of 256 per K step of the "once" gate/up kernel for hidden size h."""
+    return min(cfg.up_groups, triton.next_power_of_2(h // 256))
+
+
+def down_groups(cfg: MoeMmvqConfig, f: int) -> int:
+    """Groups of 256 per step of the down kernel for FFN width f: `cfg.down_groups` capped at
+    f's, raised to all of f with `down_each` (the host tier computes that step)."""
+    g = triton.next_power_of_2(f // 256)
+    return g if cfg.down_each else min(cfg.down_groups, g)
+
+
 def fused_moe_mmvq(
     x: torch.Tensor,
     xa: Q8Act | None,
@@ -649,7 +696,7 @@ def fused_moe_mmvq(
     out: torch.Tensor,
     cfg: MoeMmvqConfig,
     counters: torch.Tensor | None,
-    host_rows: torch.Tensor | None = None,
+    host_rows: torch.Tensor | HostWork | None = None,
 ) -> torch.Tensor:
     """The "mmvq" path of `moe.fused_moe` (the other arguments checked there; `xa` and
     `counters` here) -> out: three launches (x's quantization unless `xa` is given, gate/up,
@@ -658,8 +705,11 @@ def fused_moe_mmvq(
     `host_rows` (float32 [A, H]): the experts whose slot is negative were computed by the host
     (`moestream.native`: gate/up, SiLU, h's rounding and the weighted down sum of each, with
     this path's bits), row a for assignment a; the kernels skip those experts and add their
-    rows in their place. Needs `cfg` with `REPRODUCIBLE_DOWN`'s fields, the "once" gate/up and
-    F within one down step: the output then has the bits it has with every expert here."""
+    rows in their place. With `expert_addr`, `expert_slot` only marks them (negative: the
+    host's). Needs `cfg` with `REPRODUCIBLE_DOWN`'s fields and the "once" gate/up: the output
+    then has the bits it has with every expert here. A `HostWork` instead of the rows: its
+    `begin` is called before the gate/up launch and its `rows` after, so that the host
+    computes while the GPU runs the other experts' gate/up."""
     if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
         raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
     t, h = x.shape
@@ -675,15 +725,20 @@ def fused_moe_mmvq(
     host = host_rows is not None
     if host:
         fields = {name: getattr(cfg, name) for name in REPRODUCIBLE_DOWN}
-        if fields != REPRODUCIBLE_DOWN or cfg.down_split != 1 or use_addr:
+        if fields != REPRODUCIBLE_DOWN or cfg.down_split != 1 or expert_slot is None:
             raise ValueError("host_rows need REPRODUCIBLE_DOWN, no down split, a slot table")
-        if host_rows.shape != (topk_ids.numel(), h) or host_rows.dtype != torch.float32:
-            raise ValueError(f"host_rows must be float32 [{topk_ids.numel()}, {h}]")
-        if min(cfg.down_groups, triton.next_power_of_2(f // 256)) * 256 < f:
-            raise ValueError("host_rows need all of F in one down step (down_groups)")
+    work = None if isinstance(host_rows, torch.Tensor) else host_rows
+    if work is not None:
+        work.begin(topk_ids, topk_weights, xa)
     hq, hd, hs = gate_up_q8(
         xa, topk_ids, gate, up, expert_slot, expert_addr, cfg, counters, host=host
     )
+    if work is not None:
+        host_rows = work.rows()
+    if host_rows is not None and (
+        host_rows.shape != (topk_ids.numel(), h) or host_rows.dtype != torch.float32
+    ):
+        raise ValueError(f"host_rows must be float32 [{topk_ids.numel()}, {h}]")
     split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
     chunk = _divisor_at_most(k // split, cfg.down_experts)
     blocks = triton.cdiv(h, cfg.down_block_n)
@@ -695,9 +750,9 @@ def fused_moe_mmvq(
         hq, hd, hs, topk_ids, topk_weights, slot, down.data, out, addr, part, count,
         n_addr, h, down.data.stride(0), down.data.stride(1), out.stride(0),
         QD=kernel_qtype(down), F=f, TOPK=k, BLOCK_N=cfg.down_block_n,
-        G=min(cfg.down_groups, triton.next_power_of_2(f // 256)), CHUNK=chunk, SPLIT=split,
-        TREE=cfg.down_tree, ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K,
+        G=down_groups(cfg, f), CHUNK=chunk, SPLIT=split, TREE=cfg.down_tree,
+        ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K and not cfg.down_each,
         ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device), **FP_EXACT,
-        host_ptr=host_rows, HOST=host,
+        host_ptr=host_rows, HOST=host, EACH=cfg.down_each,
     )  # fmt: skip
     return out

@@ -37,6 +37,7 @@ from moestream.weights.qtensor import QTensor
 
 if TYPE_CHECKING:
     from moestream.kernels.mmvq import Q8Act
+    from moestream.kernels.moe_mmvq import HostWork
 
 _Q = GGMLQuantizationType
 KERNEL_QTYPES = frozenset(
@@ -423,13 +424,17 @@ def moe_forward_addr(
     up: QTensor,
     down: QTensor,
     expert_addr: torch.Tensor,
+    host: HostWork | None = None,
+    host_marks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused MoE with expert weights found by byte address (`experts.zero_copy`): gate, up
     [1, F, H] and down [1, H, F] give types and shapes, expert_addr [3, E] int64 the bytes of
     each expert. CUDA kernel path only ("mmvq", in chunks of at most MMVQ_MAX_ASSIGNMENTS
-    assignments; a token's result does not depend on its chunk)."""
+    assignments; a token's result does not depend on its chunk). `host` computes the experts
+    whose `host_marks` [E] int32 entry is negative, chunk by chunk (`moe_mmvq.HostWork`; the
+    launch then takes `HYBRID_CONFIG`)."""
     from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, fused_moe
-    from moestream.kernels.moe_mmvq import ZERO_COPY_CONFIG
+    from moestream.kernels.moe_mmvq import HYBRID_CONFIG, ZERO_COPY_CONFIG
 
     if not (moe_kernel_path(x, gate, up, down) and all(
         w.qtype in MMVQ_QTYPES for w in (gate, up, down)
@@ -440,8 +445,8 @@ def moe_forward_addr(
         x, topk_ids.contiguous(), topk_weights.contiguous(),
         max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1]),
         lambda xc, ic, wc: fused_moe(
-            xc, ic, wc, gate, up, down, None, method="mmvq", expert_addr=expert_addr,
-            mmvq_cfg=ZERO_COPY_CONFIG,
+            xc, ic, wc, gate, up, down, host_marks, method="mmvq", expert_addr=expert_addr,
+            mmvq_cfg=ZERO_COPY_CONFIG if host is None else HYBRID_CONFIG, host_rows=host,
         ),
     )  # fmt: skip
 

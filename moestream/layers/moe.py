@@ -234,7 +234,9 @@ class SparseMoE:
             self.experts.count(ids)  # type: ignore[attr-defined]
             if fused_moe_path(x):
                 gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
-                return ops.moe_forward_addr(x, ids, weights, gate, up, down, addr)
+                work = self.experts.host_work  # type: ignore[attr-defined]
+                marks = self.experts.host_marks if work else None  # type: ignore[attr-defined]
+                return ops.moe_forward_addr(x, ids, weights, gate, up, down, addr, work, marks)
         elif expert_slot is None and fused_moe_path(x) and self.resident:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:

@@ -70,6 +70,35 @@ def test_budgets_are_enforced() -> None:
         zero_copy(1e-9, rebalance=-1)
 
 
+def test_host_computed_experts_are_placed_and_checked(resident: LLM) -> None:
+    """`expert_cpu_fraction`: that share of each layer's host-placed experts is marked for the
+    host's cores (`experts.host_compute`; on the CPU device every expert takes the reference
+    path, so the tokens are the resident model's), steps are not captured, and bad values are
+    a RequestError."""
+    from moestream import native
+
+    try:
+        native.library()
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"native experts unavailable: {exc}")
+    llm = LLM(
+        DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=1e-9,
+        host_expert_cache_gib=1.0, expert_zero_copy=True, expert_cpu_fraction=0.5,
+        expert_cpu_threads=1,
+    )  # fmt: skip
+    experts = llm.zero_copy[0].num_experts
+    assert {int(p.host_marked.sum()) for p in llm.zero_copy} == {experts // 2}
+    assert not any(moe.capturable for moe in llm.model.moe_layers())
+    assert run(llm) == run(resident)
+    with pytest.raises(RequestError, match="expert_zero_copy"):
+        LLM(DEMO_MODEL, device="cpu", expert_cpu_fraction=0.5)
+    with pytest.raises(RequestError, match="expert_cpu_fraction"):
+        zero_copy_llm = {"gpu_expert_cache_gib": 1e-9, "expert_zero_copy": True}
+        LLM(DEMO_MODEL, device="cpu", expert_cpu_fraction=1.5, **zero_copy_llm)
+    with pytest.raises(RequestError, match="expert_cpu_threads"):
+        LLM(DEMO_MODEL, device="cpu", expert_cpu_threads=0, **zero_copy_llm)
+
+
 def test_bench_experts_section_reports_zero_copy_reads() -> None:
     if not DEMO_MODEL.is_file():
         pytest.skip("demo model is not in this checkout")
@@ -91,8 +120,9 @@ def test_bench_experts_section_reports_zero_copy_reads() -> None:
     assert c["host_link_bytes"] == link > 0
     assert data["budgets"]["device"] == 0 and data["budgets"]["host"] > 0
     assert c["swaps"] == c["swap_bytes"] == 0  # no device slot to promote into
+    assert c["cpu_reads"] == c["cpu_bytes"] == 0 and c["cpu_compute_seconds"] == 0.0
     head, rows = ExpertsSection().table(data)
-    assert len(rows) == 6
+    assert len(rows) == 10
 
 
 def quarter_on_device(rebalance: int) -> LLM:
@@ -165,14 +195,14 @@ def test_rebalance_swaps_by_heat_with_hysteresis() -> None:
     p = zc.ZeroCopyExperts(stacks, 2, "cpu")  # experts 0, 1 on the device
     before = [tuple(w.data.clone() for w in p.weights(i)) for i in range(e)]
     p._reads += torch.tensor([10, 1, 0, 2, 40, 11])  # 4 and 5 are hot, 0 is warm
-    assert p.read_counts() == {"device": 11, "host": 53}
+    assert p.read_counts() == {"device": 11, "host": 53, "cpu": 0}
     assert p.rebalance() == 1  # 4 replaces 1; 5 (11) is not 1.25 x 10 + 1 hotter than 0
     assert sorted(i for i in range(e) if p._on_device[i]) == [0, 4]
     check_placement(p)
     for i in range(e):
         assert all(torch.equal(a, w.data) for a, w in zip(before[i], p.weights(i)))
     p._reads += torch.tensor([0, 0, 0, 0, 5, 0])
-    assert p.read_counts() == {"device": 16, "host": 53}  # 4's new reads on the device
+    assert p.read_counts() == {"device": 16, "host": 53, "cpu": 0}  # 4's new reads on the device
     assert p.rebalance() == 0 and p.swaps == 1
     # heat now 5, 0.5, 0, 1, 25, 5.5; 3 gains 14 reads: clearly hotter than 0 (heat 2.5) by the
     # factor, but 15 - 2.5 is within 3 standard deviations of count noise (sqrt(17.5) * 3)

@@ -111,13 +111,15 @@ def test_gate_up_q4_k_rows_and_bad_arguments() -> None:
         native.gate_up_q4_k(args[0].astype(np.int8), *args[1:], 2)
 
 
+@pytest.mark.parametrize("chunk", [1, 8])
 @pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
-def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_type) -> None:
+def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_type, chunk) -> None:
     """One token, three experts: gate/up, SiLU, the q8 rounding of h and the weighted down
     projection of each computed by the C code, summed in selection order from 0.0, equal the
     "mmvq" path launched with `REPRODUCIBLE_DOWN` bit for bit (the kernel reading Q6_K in the
-    padded layout, the C code the file's)."""
-    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, fused_moe_mmvq
+    padded layout, the C code the file's), whether the kernel's chunk holds one expert or all
+    three (`down_each`: each reduced on its own)."""
+    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, down_groups, fused_moe_mmvq
 
     e, f, h, k = 4, 256, 256, 3
     gate = QTensor(q4_k_stack(e * f, h, seed=11).data.view(e, f, -1), T.Q4_K, (e, f, h))
@@ -129,7 +131,7 @@ def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_typ
     ids = torch.tensor([[2, 0, 3]])
     weights = torch.softmax(torch.randn(1, k, generator=g), dim=-1)
     slot = torch.arange(e, dtype=torch.int32)
-    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN)
+    cfg = replace(DEFAULT_CONFIG, **REPRODUCIBLE_DOWN, down_experts=chunk)
     out = torch.full((1, h), float("nan"))
     with exact_interpreter():
         # the kernel reads Q6_K padded, as a resident model does; the CPU the file's blocks
@@ -138,7 +140,7 @@ def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_typ
         xa = quantize_q8(x)
     xq, xd, xs = (native.as_numpy(v[0]) for v in (xa.q, xa.d, xa.s))
     up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())
-    down_g = min(cfg.down_groups, 1 << (f // 256 - 1).bit_length())
+    down_g = down_groups(cfg, f)
     for scalar in (False, True):  # the AVX2 integer code where present, then the portable one
         with native.scalar_only() if scalar else contextlib.nullcontext():
             y = cpu_token(xq, xd, xs, ids[0], weights[0], gate, up, down, up_g, down_g)
@@ -167,7 +169,7 @@ def test_host_rows_give_the_bits_of_every_expert_on_the_device() -> None:
     passed as `host_rows`) gets the output the kernels give with all three experts in slots:
     expert placement does not change a bit. Without the reproducible down launch the kernels
     refuse host rows."""
-    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, fused_moe_mmvq
+    from moestream.kernels.moe_mmvq import REPRODUCIBLE_DOWN, down_groups, fused_moe_mmvq
 
     e, f, h = 4, 256, 256
     g = torch.Generator().manual_seed(31)
@@ -196,12 +198,18 @@ def test_host_rows_give_the_bits_of_every_expert_on_the_device() -> None:
                 native.as_numpy(xa.s[t]), 1,
             )  # fmt: skip
             row = native.down_rows(native.as_numpy(down.data[0]), True, hq, hd, hs,
-                                   float(weights[t, j]), 1)  # fmt: skip
+                                   float(weights[t, j]), down_groups(cfg, f))  # fmt: skip
             host[a] = torch.from_numpy(row)
         got = torch.full((1, h), float("nan"))
         fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, None, got, cfg, None,
                        host_rows=host)  # fmt: skip
+        # zero-copy placement: experts found by address, the slot table only marks the host's
+        addr = torch.tensor([[w.data[i].data_ptr() for i in range(e)] for w in (gate, up, down)])
+        by_addr = torch.full((1, h), float("nan"))
+        fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, addr, by_addr, cfg, None,
+                       host_rows=host)  # fmt: skip
     assert np.array_equal(bits(got.numpy()), bits(want.numpy()))
+    assert np.array_equal(bits(by_addr.numpy()), bits(want.numpy()))
     with pytest.raises(ValueError, match="REPRODUCIBLE_DOWN"):
         fused_moe_mmvq(x, xa, ids, weights, gate, up, down, hybrid, None, got, DEFAULT_CONFIG,
                        None, host_rows=host)  # fmt: skip

@@ -56,7 +56,12 @@ def on_gpu(gate: QTensor, up: QTensor, down: QTensor) -> list[QTensor]:
 def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
     need_native()
     from moestream.kernels.mmvq import quantize_q8
-    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
+    from moestream.kernels.moe_mmvq import (
+        DEFAULT_CONFIG,
+        REPRODUCIBLE_DOWN,
+        down_groups,
+        fused_moe_mmvq,
+    )
 
     gate, up, down, x, ids, weights = operands(21, down_type)
     (e, f, h), (t, k) = gate.shape, ids.shape
@@ -70,7 +75,7 @@ def test_cpu_experts_give_the_gpus_bits(down_type) -> None:
     fused_moe_mmvq(xg, xa, ids.to(dev), weights.to(dev), *gpu, slot, None, out, cfg, None)
     want = out.cpu().numpy()
     up_g = min(cfg.up_groups, 1 << (h // 256 - 1).bit_length())
-    down_g = min(cfg.down_groups, 1 << (f // 256 - 1).bit_length())
+    down_g = down_groups(cfg, f)
     for i in range(t):
         xq = native.as_numpy(xa.q[i]).view(np.int8)
         xd, xs = native.as_numpy(xa.d[i]), native.as_numpy(xa.s[i])
@@ -90,7 +95,12 @@ def test_host_rows_on_the_gpu_keep_the_bits() -> None:
     code (slot -1, `host_rows`) get the output of all experts in slots, bit for bit."""
     need_native()
     from moestream.kernels.mmvq import quantize_q8
-    from moestream.kernels.moe_mmvq import DEFAULT_CONFIG, REPRODUCIBLE_DOWN, fused_moe_mmvq
+    from moestream.kernels.moe_mmvq import (
+        DEFAULT_CONFIG,
+        REPRODUCIBLE_DOWN,
+        down_groups,
+        fused_moe_mmvq,
+    )
 
     gate, up, down, x, ids, weights = operands(41, T.Q6_K)
     (e, _, h), (t, k) = gate.shape, ids.shape
@@ -113,7 +123,8 @@ def test_host_rows_on_the_gpu_keep_the_bits() -> None:
         hq, hd, hs = native.gate_up_q4_k(rows[0], rows[1], xq, native.as_numpy(xa.d[i]),
                                          native.as_numpy(xa.s[i]), 8)  # fmt: skip
         host[a] = torch.from_numpy(native.down_rows(rows[2], True, hq, hd, hs,
-                                                    float(weights[i, j]), 4))  # fmt: skip
+                                                    float(weights[i, j]),
+                                                    down_groups(cfg, gate.shape[1])))  # fmt: skip
     hybrid = torch.where(torch.arange(e) < 4, -1, torch.arange(e)).to(dev, torch.int32)
     got = torch.full((t, h), float("nan"), device=dev)
     fused_moe_mmvq(xg, xa, idg, wg, *gpu, hybrid, None, got, cfg, None, host_rows=host.to(dev))

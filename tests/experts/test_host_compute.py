@@ -1,0 +1,120 @@
+"""Experts computed by the host's cores under zero-copy placement (`experts.host_compute`): the
+layer's output has the bits of every expert on the device, whichever experts the host computed
+(before and after a promotion moves the marks), and the counters add up. Under the Triton
+interpreter with the exact float operations of the GPU (`kernels.exact.exact_interpreter`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moestream import native
+
+pytest.importorskip("triton", reason="triton is not installed")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs the kernels on CPU tensors (TRITON_INTERPRET=1)", allow_module_level=True)
+try:
+    native.library()
+except native.NativeUnavailable as exc:
+    pytest.skip(f"native experts unavailable: {exc}", allow_module_level=True)
+
+from moestream.errors import UnsupportedError  # noqa: E402
+from moestream.experts.host_compute import HostCompute  # noqa: E402
+from moestream.experts.zero_copy import ZeroCopyExperts  # noqa: E402
+from moestream.kernels.exact import exact_interpreter  # noqa: E402
+from moestream.kernels.moe import fused_moe  # noqa: E402
+from moestream.kernels.moe_mmvq import HYBRID_CONFIG  # noqa: E402
+from moestream.weights.qtensor import QTensor  # noqa: E402
+from moestream.weights.quantize import quantize  # noqa: E402
+
+E, F, H, K = 4, 256, 256, 2
+
+
+def stacks(seed: int) -> list[QTensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for qtype, shape in ((T.Q4_K, (E, F, H)), (T.Q4_K, (E, F, H)), (T.Q6_K, (E, H, F))):
+        values = torch.randn(shape, generator=g) * 0.05
+        out.append(QTensor(torch.from_numpy(quantize(values, qtype)), qtype, shape))
+    return out
+
+
+def hybrid(layer: ZeroCopyExperts, x, ids, weights) -> torch.Tensor:
+    """The layer's experts as `ops.moe_forward_addr` launches them for one chunk on the GPU."""
+    return fused_moe(x, ids, weights, *layer.stacked(), layer.host_marks, method="mmvq",
+                     mmvq_cfg=HYBRID_CONFIG, expert_addr=layer.expert_addr,
+                     host_rows=layer.host_work)  # fmt: skip
+
+
+def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> None:
+    gate, up, down = stacks(3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, H, generator=g)
+    ids = torch.tensor([[1, 0], [3, 2], [2, 1]])
+    weights = torch.softmax(torch.randn(3, K, generator=g), dim=-1)
+    compute = HostCompute(torch.device("cpu"), threads=2)
+    # expert 0 on the device; host slots 0, 1 (experts 1, 2) computed by the host; 3 by link
+    layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=2, compute=compute)
+    assert layer.host_marked.tolist() == [False, True, True, False]
+    assert not layer.fully_resident  # host work every forward: no CUDA graph
+    slots = torch.arange(E, dtype=torch.int32)
+    with exact_interpreter():
+        want = fused_moe(x, ids, weights, gate, up, down, slots, method="mmvq",
+                         mmvq_cfg=HYBRID_CONFIG)  # fmt: skip
+        got = hybrid(layer, x, ids, weights)
+        assert compute.counters["assignments"] == 4  # ids 1, 2, 2, 1
+        assert compute.counters["bytes"] == 4 * layer.expert_bytes
+        layer._swap(0, 1)  # a promotion: 1 to the device, 0 to its host slot (and its mark)
+        assert layer.host_marked.tolist() == [True, False, True, False]
+        after = hybrid(layer, x, ids, weights)
+    assert np.abs(want.numpy()).max() > 0
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(after.view(torch.int32), want.view(torch.int32))
+    assert compute.counters["assignments"] == 4 + 3  # ids 0, 2, 2
+    layer.count(ids)
+    assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3}
+
+
+class Shifted:
+    """A layer's host work whose rows are off by one: the kernels must add them."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def begin(self, *args) -> None:
+        self.work.begin(*args)
+
+    def rows(self) -> torch.Tensor:
+        return self.work.rows() + 1.0
+
+
+def test_the_kernels_add_the_hosts_rows_for_marked_experts_only() -> None:
+    gate, up, down = stacks(6)
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(7))
+    ids = torch.tensor([[1, 0], [3, 0]])  # token 0 has a host expert (1), token 1 none
+    weights = torch.full((2, K), 0.5)
+    layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=1,
+                            compute=HostCompute(torch.device("cpu"), threads=1))  # fmt: skip
+    with exact_interpreter():
+        exact = hybrid(layer, x, ids, weights)
+        layer.host_work = Shifted(layer.host_work)
+        shifted = hybrid(layer, x, ids, weights)
+    assert torch.allclose(shifted[0], exact[0] + 1.0)
+    assert torch.equal(shifted[1], exact[1])
+
+
+def test_host_computed_experts_need_the_types_the_native_code_reads() -> None:
+    gate, up, down = stacks(5)
+    q8 = QTensor(torch.from_numpy(quantize(torch.randn(E, F, H) * 0.05, T.Q8_0)), T.Q8_0,
+                 (E, F, H))  # fmt: skip
+    compute = HostCompute(torch.device("cpu"), threads=1)
+    with pytest.raises(UnsupportedError, match="Q4_K"):
+        ZeroCopyExperts([q8, up, down], 1, "cpu", n_cpu=1, compute=compute)
+    with pytest.raises(ValueError, match="n_cpu"):
+        ZeroCopyExperts([gate, up, down], 2, "cpu", n_cpu=3, compute=compute)
+    with pytest.raises(ValueError, match="threads"):
+        HostCompute(torch.device("cpu"), threads=0)
