@@ -990,10 +990,13 @@ PY
       each2="down_each=True, down_tree=True, down_rows=False" base2=
     hyb 50 8.8 0; hyb 50 8.8 0.33
     ;;
-  s15b)  # the 30B at a quarter and a tenth of its experts on the device, link only or a third
-    # of the host experts computed by the host's cores
+  s15b)  # host experts as CUDA host functions (graphs stay on): the GPU test of the text at
+    # three placements; the 30B at 50, 25 and 10% of its experts on the device, link only or a
+    # third of the host experts computed by the host's cores
+    timeout 120 python3 -m pytest tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -4
     synth qwen3-30b-a3b q30
-    hyb 25 4.4 0; hyb 25 4.4 0.33; hyb 10 1.76 0; hyb 10 1.76 0.33
+    hyb 50 8.8 0.33; hyb 25 4.4 0; hyb 25 4.4 0.33; hyb 10 1.76 0; hyb 10 1.76 0.33
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

@@ -10,36 +10,42 @@ marks move with the experts when promotion swaps them); every "mmvq" launch of t
 takes a `LayerHostWork` (`kernels.moe_mmvq.HostWork`):
 
 1. `begin`, after x's q8 rounding is queued: the routing (ids, weights) and the q8 activations
-   are copied into pinned buffers on the current stream and an event is recorded. The GPU goes
-   on with the gate/up of the experts it reads (device slots and the link).
-2. `rows`, after the gate/up launch is queued: the host waits for the event (the layer's one
-   host synchronisation), computes every assignment whose expert is marked with
-   `native.moe_host_rows` (the kernels' operation order: the GPU's bits), writes the rows into a
-   pinned buffer and queues their copy to the device; the down kernel, queued next, adds each
-   where it would have added the expert's own sums.
+   are copied into pinned buffers on the current stream. A side stream waits for them, runs
+   `experts.c`'s `host_layer` as a CUDA host function (`cuLaunchHostFunc`): it computes every
+   assignment whose expert is marked (`native.moe_host_rows`, the kernels' operation order:
+   the GPU's bits) into a pinned buffer, which the side stream then copies to the device.
+   Meanwhile the current stream runs the gate/up of the experts the GPU reads.
+2. `rows`, after the gate/up launch is queued: the current stream waits for the side stream;
+   the down kernel, queued next, adds each host row where it would have added the expert's own
+   sums.
 
-So the output of a token does not depend on which experts the host computed (bit for bit;
-`tests/experts/test_host_compute.py`), and a step with host work makes one host synchronisation
-per MoE layer (no CUDA graph). Buffers are shared by the layers: a layer's `begin` is queued
-after the previous layer's row copy, and its `rows` waits for the event behind both, so no
-buffer is reused while a copy may still read it (one stream). Off CUDA (tests under the Triton
-interpreter) the copies are plain copies and there is no event.
+No Python runs per layer on the host's side, and the host never waits for the GPU: a step stays
+one CUDA graph (the host functions and copies are nodes of it), and the GPU waits for the host
+only where the host's experts take longer than its own gate/up. So the output of a token does
+not depend on which experts the host computed (bit for bit; `tests/experts/test_host_compute.py`).
+Buffers are allocated once at the largest launch (graphs hold their addresses) and shared by
+the layers: a layer's copies are queued after the previous layer's down kernel, which waited
+for the previous host function and row copy. Off CUDA (tests under the Triton interpreter)
+`rows` calls `host_layer` directly.
 
-Counters (`HostCompute.counters`): assignments computed, their expert bytes, the time the host
-waited for the GPU and the time it computed.
+Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
+and the time the host spent on them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import time
-from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
 from moestream import native
 from moestream.kernels.mmvq import Q8Act
+
+# The largest launch (`kernels.moe.MMVQ_MAX_ASSIGNMENTS`: `ops.moe_forward_addr` runs larger
+# batches in chunks of at most this many assignments).
+MAX_ASSIGNMENTS = 256
 
 
 def default_threads() -> int:
@@ -47,8 +53,16 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _cu_launch_host_func() -> Any:
+    """The CUDA driver's cuLaunchHostFunc(stream, fn, user_data) -> CUresult."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class HostCompute:
-    """What the layers' host work shares: pinned buffers, threads, counters."""
+    """What the layers' host work shares: the buffers, the side stream, threads, the layers."""
 
     def __init__(self, device: torch.device, threads: int | None = None):
         if threads is not None and threads < 1:
@@ -57,81 +71,124 @@ class HostCompute:
         self.device = device
         self.threads = threads or default_threads()
         self._cuda = device.type == "cuda"
-        self._event = torch.cuda.Event() if self._cuda else None
+        self.stream = torch.cuda.Stream(device) if self._cuda else None
+        self._launch = _cu_launch_host_func() if self._cuda else None
+        self._fn = native.host_layer_fn()
         self._buffers: dict[str, torch.Tensor] = {}
-        self.counters = {"assignments": 0, "bytes": 0, "wait_s": 0.0, "compute_s": 0.0}
+        self.layers: list[LayerHostWork] = []
 
-    def buffer(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer (pinned on CUDA) of `shape`, grown as needed and reused."""
-        n = int(np.prod(shape))
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < n:
-            buf = torch.empty(max(n, 1), dtype=dtype, pin_memory=self._cuda)
-            self._buffers[name] = buf
-        return buf[:n].view(*shape)
+    def buffers(self, h: int) -> dict[str, torch.Tensor]:
+        """The launch buffers for hidden size h, allocated once at the largest launch."""
+        if not self._buffers:
+            a, pin = MAX_ASSIGNMENTS, self._cuda
 
-    def record(self) -> None:
-        if self._event is not None:
-            self._event.record()
+            def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+            self._buffers = {
+                "ids": host((a,), torch.int64),
+                "weights": host((a,), torch.float32),
+                "xq": host((a, h // 4), torch.int32),  # up to a tokens (k = 1)
+                "xd": host((a, h // 32), torch.float32),
+                "xs": host((a, h // 32), torch.float32),
+                "rows": host((a, h), torch.float32),
+            }
+            if self._cuda:
+                self._buffers["rows_dev"] = torch.empty((a, h), device=self.device)
+        if self._buffers["rows"].shape[1] != h:
+            raise ValueError("host experts of one model share one hidden size")
+        return self._buffers
+
+    def launch(self, args: native.HostLayerArgs) -> None:
+        """Queue `host_layer(args)` on the side stream (CUDA), or run it now (CPU)."""
+        if self._launch is None:
+            native.library().host_layer(ctypes.byref(args))
+            return
+        rc = self._launch(self.stream.cuda_stream, self._fn, ctypes.addressof(args))
+        if rc != 0:
+            raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Host-function calls, assignments computed, their expert bytes, seconds spent."""
+        out = {"calls": 0, "assignments": 0, "bytes": 0, "compute_s": 0.0}
+        for layer in self.layers:
+            for args in layer.launch_args():
+                if args.status:
+                    raise RuntimeError("a host expert computation failed (bad shapes)")
+                out["calls"] += args.calls
+                out["assignments"] += args.assignments
+                out["bytes"] += args.assignments * layer.provider.expert_bytes  # type: ignore[attr-defined]
+                out["compute_s"] += args.nanoseconds * 1e-9
+        return out
 
 
 class LayerHostWork:
-    """One layer's `HostWork` (module docstring). `experts(e)` gives expert e's host arrays
-    (gate, up, down as uint8 rows in the file's layout, down is Q6_K) for the experts that
-    `marked` says the host computes; `up_groups`/`down_groups` the launch's groups per step."""
+    """One layer's `HostWork` (module docstring). The provider's `host_tables()` give the
+    layer's marks (int8 [E], nonzero: the host's), its experts' host addresses (uint64 [3, E])
+    and the row bytes of gate/up and of down, whether down is Q6_K; `up_groups`/`down_groups`
+    are the launch's groups per step."""
 
-    def __init__(self, compute: HostCompute, provider: object, up_groups: int, down_groups: int):
+    def __init__(self, compute: HostCompute, provider: Any, up_groups: int, down_groups: int):
         self.compute = compute
         self.provider = provider
         self.up_groups = up_groups
         self.down_groups = down_groups
-        self._pending: tuple[torch.Tensor, ...] | None = None
+        self._args: dict[tuple[int, int], native.HostLayerArgs] = {}  # per launch shape (t, k)
+        self._pending: tuple[native.HostLayerArgs, int] | None = None
+        compute.layers.append(self)
+
+    def launch_args(self) -> list[native.HostLayerArgs]:
+        return list(self._args.values())
+
+    def _args_for(self, t: int, k: int, h: int, f: int) -> native.HostLayerArgs:
+        args = self._args.get((t, k))
+        if args is None:
+            marked, addr, gu_row_bytes, down_row_bytes, q6 = self.provider.host_tables()
+            b = self.compute.buffers(h)
+            args = native.HostLayerArgs(
+                marked=marked.ctypes.data, gate=addr[0].ctypes.data, up=addr[1].ctypes.data,
+                down=addr[2].ctypes.data, gu_row_bytes=gu_row_bytes,
+                down_row_bytes=down_row_bytes, q6=int(q6), h=h, f=f, up_g=self.up_groups,
+                down_g=self.down_groups, threads=self.compute.threads, t=t, k=k, ids64=1,
+                ids=b["ids"].data_ptr(), weights=b["weights"].data_ptr(),
+                xq=b["xq"].data_ptr(), xd=b["xd"].data_ptr(), xs=b["xs"].data_ptr(),
+                rows=b["rows"].data_ptr(),
+            )  # fmt: skip
+            self._args[(t, k)] = args  # kept: a CUDA graph may call host_layer with it
+        return args
 
     def begin(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, xa: Q8Act) -> None:
-        c = self.compute
         t, k = topk_ids.shape
-        ids = c.buffer("ids", (t, k), topk_ids.dtype)
-        weights = c.buffer("weights", (t, k), torch.float32)
-        xq = c.buffer("xq", tuple(xa.q.shape), xa.q.dtype)
-        xd = c.buffer("xd", tuple(xa.d.shape), xa.d.dtype)
-        xs = c.buffer("xs", tuple(xa.s.shape), xa.s.dtype)
-        for dst, src in ((ids, topk_ids), (weights, topk_weights), (xq, xa.q), (xd, xa.d),
-                         (xs, xa.s)):  # fmt: skip
-            dst.copy_(src, non_blocking=True)
-        c.record()
-        self._pending = (ids, weights, xq, xd, xs)
+        a, h = t * k, xa.q.shape[1] * 4
+        if a > MAX_ASSIGNMENTS:
+            raise ValueError(f"host experts take at most {MAX_ASSIGNMENTS} assignments a launch")
+        f = self.provider.stacked()[0].shape[1]
+        args = self._args_for(t, k, h, f)
+        b = self.compute.buffers(h)
+        b["ids"][:a].view(t, k).copy_(topk_ids, non_blocking=True)
+        b["weights"][:a].view(t, k).copy_(topk_weights, non_blocking=True)
+        for name, src in (("xq", xa.q), ("xd", xa.d), ("xs", xa.s)):
+            b[name][:t].copy_(src, non_blocking=True)
+        stream = self.compute.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.compute.device))
+            with torch.cuda.stream(stream):
+                self.compute.launch(args)
+                b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
+        self._pending = (args, a)
 
     def rows(self) -> torch.Tensor:
         if self._pending is None:
             raise RuntimeError("LayerHostWork.rows before begin")
-        ids, weights, xq, xd, xs = self._pending
+        args, a = self._pending
         self._pending = None
-        c = self.compute
-        t0 = time.perf_counter()
-        c.wait()
-        t1 = time.perf_counter()
-        k = ids.shape[1]
-        h = xq.shape[1] * 4
-        flat = ids.numpy().reshape(-1)
-        marked = self.provider.host_marked  # type: ignore[attr-defined]  # numpy bool [E]
-        sel = np.flatnonzero(marked[flat])
-        out = torch.empty((flat.size, h), dtype=torch.float32, device=c.device)
-        if sel.size:
-            experts = [self.provider.host_arrays(int(e)) for e in flat[sel]]  # type: ignore[attr-defined]
-            rows = native.moe_host_rows(
-                experts, (sel // k).tolist(), weights.numpy().reshape(-1)[sel].tolist(),
-                xq.numpy().view(np.int8), xd.numpy(), xs.numpy(), self.up_groups,
-                self.down_groups, c.threads,
-            )  # fmt: skip
-            staged = c.buffer("rows", (flat.size, h), torch.float32)
-            staged.numpy()[sel] = rows
-            out.copy_(staged, non_blocking=True)
-            c.counters["assignments"] += int(sel.size)
-            c.counters["bytes"] += int(sel.size) * self.provider.expert_bytes  # type: ignore[attr-defined]
-        c.counters["wait_s"] += t1 - t0
-        c.counters["compute_s"] += time.perf_counter() - t1
-        return out
+        b = self.compute._buffers
+        stream = self.compute.stream
+        if stream is not None:
+            torch.cuda.current_stream(self.compute.device).wait_stream(stream)
+            return b["rows_dev"][:a]
+        self.compute.launch(args)
+        if args.status:
+            raise RuntimeError("a host expert computation failed (bad shapes)")
+        return b["rows"][:a]

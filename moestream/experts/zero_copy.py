@@ -24,7 +24,7 @@ where no placement does better than any other and the noise margin keeps swaps r
 `weights(e)`.
 
 With `n_cpu`, the first `n_cpu` host slots of each layer are computed by the host's cores
-instead of read across the link (`experts.host_compute`: one host synchronisation per layer, the
+instead of read across the link (`experts.host_compute`: CUDA host functions in the stream, the
 GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
 
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
@@ -125,12 +125,15 @@ class ZeroCopyExperts:
         self._views = [self._view(i) for i in range(e)]
         # Host-computed experts: the first n_cpu host slots (`experts.host_compute`).
         self.n_cpu = n_cpu
-        self.fully_resident = n_cpu == 0  # else host work every forward (no CUDA graph)
-        self.host_marked = np.array([self._computed_by_host(i) for i in range(e)])  # [E] bool
+        self.host_marked = np.array(
+            [self._computed_by_host(i) for i in range(e)], dtype=np.int8
+        )  # [E] 1: computed by the host (`host_tables`, read by the host functions)
         self.host_marks = torch.tensor(
             [-1 if m else 0 for m in self.host_marked], dtype=torch.int32, device=self.device
         )  # [E]: the kernels' marks (negative: the host's)
-        self._q6_down = down.qtype == GGMLQuantizationType.Q6_K
+        self._host_addr = np.zeros((3, e), dtype=np.uint64)  # [3, E] host-placed experts' bytes
+        for i in range(e):
+            self._set_host_addr(i)
         self.host_work: LayerHostWork | None = None
         if n_cpu:
             from moestream.kernels.moe_mmvq import HYBRID_CONFIG, down_groups, up_groups
@@ -145,11 +148,17 @@ class ZeroCopyExperts:
     def _computed_by_host(self, e: int) -> bool:
         return not self._on_device[e] and self._slot[e] < self.n_cpu
 
-    def host_arrays(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-        """Host-placed expert e's gate, up and down bytes (uint8 rows, the file's layout) and
-        whether down is Q6_K, as `native.moe_host_rows` takes them."""
-        g, u, d = (self._host[k].data[self._slot[e]].numpy() for k in range(3))
-        return g, u, d, self._q6_down
+    def _set_host_addr(self, e: int) -> None:
+        for k in range(3):
+            self._host_addr[k, e] = 0 if self._on_device[e] else self._slot_data(k, e).data_ptr()
+
+    def host_tables(self) -> tuple[np.ndarray, np.ndarray, int, int, bool]:
+        """(marks int8 [E], host addresses uint64 [3, E] of gate, up, down, gate/up row bytes,
+        down row bytes, down is Q6_K) as `experts.c`'s host_layer reads them: arrays that
+        promotion updates in place."""
+        gu_row_bytes, down_row_bytes = self._host[0].data.shape[-1], self._host[2].data.shape[-1]
+        q6 = self._host[2].qtype == GGMLQuantizationType.Q6_K
+        return self.host_marked, self._host_addr, gu_row_bytes, down_row_bytes, q6
 
     def _slot_data(self, kind: int, e: int) -> torch.Tensor:
         tier = self._dev if self._on_device[e] else self._host
@@ -205,11 +214,16 @@ class ZeroCopyExperts:
             self._views[e] = self._view(e)
             self.host_marked[e] = self._computed_by_host(e)
             self.host_marks[e] = -1 if self.host_marked[e] else 0
+            self._set_host_addr(e)
 
     # ---- ExpertProvider ----------------------------------------------------------------------
     @property
     def num_experts(self) -> int:
         return self.expert_addr.shape[1]
+
+    # every expert has a fixed place and host work runs as host functions in the stream: no
+    # host sync per forward (CUDA graphs capture it)
+    fully_resident = True
 
     def weights(self, e: int) -> tuple[QTensor, QTensor, QTensor]:
         return self._views[e]  # type: ignore[return-value]
@@ -276,7 +290,6 @@ def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float 
     total = device + host + cpu
     compute = next((p.host_work.compute for p in providers if p.host_work), None)
     return {
-        "cpu_wait_seconds": compute.counters["wait_s"] if compute else 0.0,
         "cpu_compute_seconds": compute.counters["compute_s"] if compute else 0.0,
         "device_reads": device,
         "host_reads": host,
@@ -302,7 +315,6 @@ def zero_copy_metric_families(
         "cpu_bytes": "Expert bytes read by the host's cores",
         "swaps": "Host-placed experts promoted to the device (a colder one demoted each)",
         "swap_bytes": "Expert bytes copied between the tiers by promotions",
-        "cpu_wait_seconds": "Time the host waited for the GPU's routing before computing experts",
         "cpu_compute_seconds": "Time the host spent computing experts",
     }
     for name, doc in docs.items():

@@ -135,7 +135,35 @@ def _build() -> ctypes.CDLL:
     lib.native_force_scalar.restype = None
     lib.silu_rn_n.argtypes = [p, p, ctypes.c_int64]
     lib.silu_rn_n.restype = None
+    lib.host_layer.argtypes = [p]
+    lib.host_layer.restype = None
     return lib
+
+
+class HostLayerArgs(ctypes.Structure):
+    """`experts.c`'s host_layer_args: one MoE layer's host work for one launch shape (the
+    layer's expert tables, the launch's buffers, counters)."""
+
+    _fields_ = [
+        ("marked", ctypes.c_void_p),
+        ("gate", ctypes.c_void_p),
+        ("up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("gu_row_bytes", ctypes.c_int64),
+        ("down_row_bytes", ctypes.c_int64),
+        *[(name, ctypes.c_int32) for name in ("q6", "h", "f", "up_g", "down_g", "threads")],
+        *[(name, ctypes.c_int32) for name in ("t", "k", "ids64")],
+        *[(name, ctypes.c_void_p) for name in ("ids", "weights", "xq", "xd", "xs", "rows")],
+        ("calls", ctypes.c_int64),
+        ("assignments", ctypes.c_int64),
+        ("nanoseconds", ctypes.c_int64),
+        ("status", ctypes.c_int32),
+    ]
+
+
+def host_layer_fn() -> int:
+    """The address of `experts.c`'s host_layer(void *), a CUDA host function."""
+    return ctypes.cast(library().host_layer, ctypes.c_void_p).value or 0
 
 
 def _check_arrays(**arrays: tuple[np.ndarray, type]) -> None:

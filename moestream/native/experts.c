@@ -21,7 +21,10 @@
  * c) as `mmvq._acc_q4_k` / `mmvq._acc_q6_k` accumulate them from 0.0, summed by `tree_sum`. The
  * kernel adds the experts' sums in selection order: y = ((0 + T_0) + T_1) + ...
  */
+#define _POSIX_C_SOURCE 199309L
 #include <math.h>
+#include <stdlib.h>
+#include <time.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -464,4 +467,84 @@ int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_
                          hs + (size_t)i * (f / 32), wt[i], rows + (size_t)i * h) != 0;
     }
     return bad ? -1 : 0;
+}
+
+/* One MoE layer's host work for one launch, as a CUDA host function (`cuLaunchHostFunc`: the
+ * stream runs it between the copies that bring the routing in and take the rows out, so a CUDA
+ * graph can hold it) or called directly (CPU tests). The layer's tables say which experts the
+ * host computes (marked[e]) and where their bytes are; the launch's buffers hold the routing of
+ * t tokens of k experts (ids int32 or int64, weights float32), their q8 activations and the
+ * rows [t * k][h] to fill: row a for each assignment a whose expert is marked (the others are
+ * left as they are). Counters: calls, assignments computed, nanoseconds; status -1 if a call
+ * failed (its rows are then not valid). */
+typedef struct {
+    const int8_t *marked;       /* [E] nonzero: computed here */
+    const uint64_t *gate, *up, *down; /* [E] host addresses of each expert's rows */
+    int64_t gu_row_bytes, down_row_bytes;
+    int32_t q6, h, f, up_g, down_g, threads;
+    int32_t t, k, ids64;
+    const void *ids;
+    const float *weights;
+    const int8_t *xq;
+    const float *xd, *xs;
+    float *rows;
+    int64_t calls, assignments, nanoseconds;
+    int32_t status;
+} host_layer_args;
+
+void host_layer(void *arg) {
+    host_layer_args *p = (host_layer_args *)arg;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int a_all = p->t * p->k, n = 0;
+    int *sel = malloc(sizeof(int) * (size_t)(a_all ? a_all : 1));
+    for (int a = 0; a < a_all; a++) {
+        int64_t e = p->ids64 ? ((const int64_t *)p->ids)[a] : ((const int32_t *)p->ids)[a];
+        if (p->marked[e]) {
+            sel[n++] = a;
+        }
+    }
+    int rc = 0;
+    if (n) {
+        size_t fb = (size_t)p->f, hb = (size_t)p->h;
+        uint64_t *ptr = malloc(sizeof(uint64_t) * 3 * (size_t)n);
+        int32_t *q6 = malloc(sizeof(int32_t) * 2 * (size_t)n);
+        int64_t *drb = malloc(sizeof(int64_t) * (size_t)n);
+        float *wt = malloc(sizeof(float) * (size_t)n);
+        int8_t *hq = malloc(fb * (size_t)n);
+        float *hd = malloc(sizeof(float) * (fb / 32) * 2 * (size_t)n);
+        float *out = malloc(sizeof(float) * hb * (size_t)n);
+        for (int i = 0; i < n; i++) {
+            int a = sel[i];
+            int64_t e = p->ids64 ? ((const int64_t *)p->ids)[a] : ((const int32_t *)p->ids)[a];
+            ptr[i] = p->gate[e];
+            ptr[n + i] = p->up[e];
+            ptr[2 * n + i] = p->down[e];
+            q6[i] = p->q6;
+            q6[n + i] = a / p->k; /* the assignment's token */
+            drb[i] = p->down_row_bytes;
+            wt[i] = p->weights[a];
+        }
+        rc = moe_host_rows(n, ptr, ptr + n, ptr + 2 * n, q6, q6 + n, wt, p->gu_row_bytes, drb,
+                           p->h, p->f, p->up_g, p->down_g, p->xq, p->xd, p->xs, hq, hd,
+                           hd + (fb / 32) * (size_t)n, out, p->threads);
+        for (int i = 0; i < n && rc == 0; i++) {
+            memcpy(p->rows + (size_t)sel[i] * hb, out + (size_t)i * hb, sizeof(float) * hb);
+        }
+        free(ptr);
+        free(q6);
+        free(drb);
+        free(wt);
+        free(hq);
+        free(hd);
+        free(out);
+    }
+    free(sel);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    p->calls += 1;
+    p->assignments += n;
+    p->nanoseconds += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+    if (rc != 0) {
+        p->status = -1;
+    }
 }

@@ -59,8 +59,8 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
     compute = HostCompute(torch.device("cpu"), threads=2)
     # expert 0 on the device; host slots 0, 1 (experts 1, 2) computed by the host; 3 by link
     layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=2, compute=compute)
-    assert layer.host_marked.tolist() == [False, True, True, False]
-    assert not layer.fully_resident  # host work every forward: no CUDA graph
+    assert layer.host_marked.tolist() == [0, 1, 1, 0]
+    assert layer.fully_resident  # host work runs in the stream: CUDA graphs stay on
     slots = torch.arange(E, dtype=torch.int32)
     with exact_interpreter():
         want = fused_moe(x, ids, weights, gate, up, down, slots, method="mmvq",
@@ -69,7 +69,7 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         assert compute.counters["assignments"] == 4  # ids 1, 2, 2, 1
         assert compute.counters["bytes"] == 4 * layer.expert_bytes
         layer._swap(0, 1)  # a promotion: 1 to the device, 0 to its host slot (and its mark)
-        assert layer.host_marked.tolist() == [True, False, True, False]
+        assert layer.host_marked.tolist() == [1, 0, 1, 0]
         after = hybrid(layer, x, ids, weights)
     assert np.abs(want.numpy()).max() > 0
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -95,7 +95,7 @@ GATE_UP.update(ASM=True, PDL=True)
 DOWN = dict(
     QD=12, F=768, TOPK=8, BLOCK_N=4, G=4, CHUNK=8, SPLIT=1, TREE=False, ROWS=False, ASM=True
 )
-DOWN.update(PDL=True, HOST=False)
+DOWN.update(PDL=True, HOST=False, EACH=False)
 
 
 @pytest.mark.parametrize(
@@ -193,10 +193,15 @@ EXACT_BUILDS = {
     "once gate/up, host experts": ("moe_mmvq", "_gate_up_once_kernel", {**ONCE, "HOST": True},
                                    1, MMVQ_POINTERS, MMVQ_ALIGNED),
     "down, host experts": ("moe_mmvq", "_down_mmvq_kernel",
-                           {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 1, "TREE": True,
-                            "HOST": True, "ADDR": False}, 4,
+                           {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 8, "TREE": True,
+                            "HOST": True, "EACH": True, "ADDR": False}, 4,
                            {**MMVQ_POINTERS, "host_ptr": "*fp32"},
                            MMVQ_ALIGNED),
+    "down, host experts by address": ("moe_mmvq", "_down_mmvq_kernel",
+                                      {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 8, "TREE": True,
+                                       "HOST": True, "EACH": True, "ADDR": True}, 4,
+                                      {**MMVQ_POINTERS, "host_ptr": "*fp32"},
+                                      MMVQ_ALIGNED),
 }  # fmt: skip
 
 

@@ -1,0 +1,51 @@
+"""Experts computed by the host's cores on a CUDA device (`experts.host_compute`): the host
+functions run inside the decode steps' CUDA graphs, and the text and logprobs do not depend on
+the placement (device share, host-computed share, promotions every 4 steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream.cli import DEMO_MODEL
+from moestream.llm import LLM
+from moestream.types import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPTS = ["def fibonacci(n):", "The history of the city", "import numpy as np\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def hybrid(gpu_share: float, cpu_fraction: float, layer_bytes: int, layers: int) -> LLM:
+    return LLM(
+        DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.25,
+        gpu_expert_cache_gib=gpu_share * layer_bytes * layers / 2**30 + 1e-9,
+        host_expert_cache_gib=1.0, expert_zero_copy=True, expert_cpu_fraction=cpu_fraction,
+        expert_rebalance_steps=4,
+    )  # fmt: skip
+
+
+def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
+    from moestream import native
+
+    try:
+        native.library()
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"native experts unavailable: {exc}")
+    probe = hybrid(0.0, 0.0, 0, 1)
+    layer_bytes, layers = probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
+    del probe
+    outs = []
+    for gpu_share, cpu_fraction in ((0.5, 0.5), (0.25, 1.0), (0.0, 0.5)):
+        llm = hybrid(gpu_share, cpu_fraction, layer_bytes, layers)
+        assert llm.engine.runner.graphs is not None and llm.model.supports_cuda_graphs
+        got = [
+            (list(o.token_ids), [lp.logprob for lp in o.logprobs])
+            for o in llm.generate(PROMPTS, GREEDY)
+        ]
+        compute = llm.zero_copy[0].host_work.compute
+        assert compute.counters["assignments"] > 0
+        outs.append(got)
+    assert outs[1] == outs[0]
+    assert outs[2] == outs[0]
