@@ -117,10 +117,15 @@ class ZeroCopyExperts:
         self._tier_reads = {"device": 0, "host": 0, "cpu": 0}  # reads to the last rebalance
         self.heat = [0.0] * e
         self.swaps = 0
-        # Types, shapes and row strides for the kernel (a slot of each stack: S = 1).
+        # Types, shapes and row strides for the kernel (a slot of each stack, S = 1), on the
+        # device like the activations: a device slot, or with none one slot's worth of memory.
         self.templates = tuple(
-            QTensor(self._slot_data(k, 0).unsqueeze(0), w.qtype, (1, *w.shape[1:]))
-            for k, w in enumerate((gate, up, down))
+            QTensor(
+                dev.data[:1] if n_device else dev.data.new_empty((1, *dev.data.shape[1:])),
+                w.qtype,
+                (1, *w.shape[1:]),
+            )
+            for dev, w in zip(self._dev, (gate, up, down), strict=True)
         )
         self._views = [self._view(i) for i in range(e)]
         # Host-computed experts: the first n_cpu host slots (`experts.host_compute`).

@@ -254,3 +254,21 @@ def test_promotion_on_the_gpu_keeps_the_tokens() -> None:
     assert sum(p.swaps for p in llm.zero_copy) > 0
     for p in llm.zero_copy:
         check_placement(p)
+
+
+def test_the_kernels_templates_are_on_the_device_with_no_expert_there() -> None:
+    """The fused kernel takes types, shapes and row strides from `stacked()` and checks that they
+    are on the activations' device: with every expert in host memory they must still be (the
+    meta device stands in for CUDA here; before, they were a host slot and the CUDA forward
+    raised)."""
+    from moestream.experts.zero_copy import ZeroCopyExperts
+    from moestream.weights.quantize import quantize
+
+    stacks = [
+        QTensor(torch.from_numpy(quantize(torch.randn(4, 256, 256) * 0.05, q)), q, (4, 256, 256))
+        for q in (GGMLQuantizationType.Q4_K,) * 3
+    ]
+    for n_device in (0, 2):
+        p = ZeroCopyExperts(stacks, n_device, "meta")
+        assert all(t.data.device.type == "meta" for t in p.stacked())
+        assert [tuple(t.data.shape) for t in p.stacked()] == [(1, 256, 144)] * 3
