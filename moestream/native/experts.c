@@ -93,6 +93,8 @@ __attribute__((target("avx2"))) static void nibble_words_avx2(const uint8_t *q,
 #endif
 
 static int avx2_on = -1; /* -1: not yet asked; native_force_scalar sets 0 (tests) */
+/* AVX2 and FMA: the integer dot products and the per-block float arithmetic 8 lanes at a time
+ * (each lane's operations are the scalar code's, so the bits are the same). */
 
 /* Tests: 1 runs the portable scalar integer code even where AVX2 is present, 0 the default. */
 void native_force_scalar(int scalar) { avx2_on = scalar ? 0 : -1; }
@@ -102,7 +104,7 @@ static int use_avx2(void) {
     int on = avx2_on;
     if (on < 0) {
         __builtin_cpu_init();
-        on = avx2_on = __builtin_cpu_supports("avx2") ? 1 : 0;
+        on = avx2_on = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
     }
     return on;
 #else
@@ -140,10 +142,11 @@ static void q6_words_scalar(const uint8_t *ql, const uint8_t *qh, int t, const i
 }
 
 #ifdef HAVE_AVX2_PATH
-__attribute__((target("avx2"))) static void q6_words_avx2(const uint8_t *ql, const uint8_t *qh,
-                                                          int t, const int8_t *x0,
-                                                          const int8_t *x1, int32_t s0[8],
-                                                          int32_t s1[8]) {
+__attribute__((target("avx2"))) static inline void q6_words_vec(const uint8_t *ql,
+                                                                const uint8_t *qh, int t,
+                                                                const int8_t *x0,
+                                                                const int8_t *x1, __m256i *s0,
+                                                                __m256i *s1) {
     const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
     const __m256i ones16 = _mm256_set1_epi16(1), ones8 = _mm256_set1_epi8(1);
     __m256i l = _mm256_loadu_si256((const __m256i *)ql);
@@ -163,8 +166,18 @@ __attribute__((target("avx2"))) static void q6_words_avx2(const uint8_t *ql, con
     __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(v1, b), ones16);
     __m256i x0s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, a), ones16);
     __m256i x1s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b), ones16);
-    _mm256_storeu_si256((__m256i *)s0, _mm256_sub_epi32(d0, _mm256_slli_epi32(x0s, 5)));
-    _mm256_storeu_si256((__m256i *)s1, _mm256_sub_epi32(d1, _mm256_slli_epi32(x1s, 5)));
+    *s0 = _mm256_sub_epi32(d0, _mm256_slli_epi32(x0s, 5));
+    *s1 = _mm256_sub_epi32(d1, _mm256_slli_epi32(x1s, 5));
+}
+
+__attribute__((target("avx2"))) static void q6_words_avx2(const uint8_t *ql, const uint8_t *qh,
+                                                          int t, const int8_t *x0,
+                                                          const int8_t *x1, int32_t s0[8],
+                                                          int32_t s1[8]) {
+    __m256i a, b;
+    q6_words_vec(ql, qh, t, x0, x1, &a, &b);
+    _mm256_storeu_si256((__m256i *)s0, a);
+    _mm256_storeu_si256((__m256i *)s1, b);
 }
 #endif
 
@@ -230,6 +243,55 @@ static void q4_k_head(const uint8_t *blk, q4k_head *hd) {
 /* The 8 partials of group sb of one Q4_K row (slot 2c + h: run c, half h), as
  * mmvq_once._once_q4_k computes them (all zero where sb >= groups). The lanes are independent
  * elementwise chains: a compiler may run them side by side without changing a bit. */
+#ifdef HAVE_AVX2_PATH
+/* parts_q4_k's 8 lanes at once: s0 and s1 by horizontal integer adds (exact in any order), then
+ * lane p's float operations as the scalar code writes them, with c = p / 2's scales and
+ * activation scales moved into lane p. */
+__attribute__((target("avx2,fma"))) static void parts_q4_k_avx2(const uint8_t *blk,
+                                                                const q4k_head *hd,
+                                                                const int8_t *x,
+                                                                const float *xdb,
+                                                                const float *xsb, float out[8]) {
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256i pl[4], ph[4];
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        __m256i l = _mm256_and_si256(v, mask);
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        pl[c] = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)(x + 64 * c))), ones);
+        ph[c] = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))),
+            ones);
+    }
+    /* hadd, hadd: [r0 w0-3, r1 w0-3, r2 w0-3, r3 w0-3 | r0 w4-7, ...]; then lane 2c + half */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i s0 = _mm256_permutevar8x32_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(pl[0], pl[1]), _mm256_hadd_epi32(pl[2], pl[3])),
+        order);
+    __m256i s1 = _mm256_permutevar8x32_epi32(
+        _mm256_hadd_epi32(_mm256_hadd_epi32(ph[0], ph[1]), _mm256_hadd_epi32(ph[2], ph[3])),
+        order);
+    const __m256i even = _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6);
+    const __m256i odd = _mm256_setr_epi32(1, 1, 3, 3, 5, 5, 7, 7);
+    __m256 sc = _mm256_loadu_ps(hd->sc), mn = _mm256_loadu_ps(hd->mn);
+    __m256 xd8 = _mm256_loadu_ps(xdb), xs8 = _mm256_loadu_ps(xsb);
+    __m256 d = _mm256_set1_ps(hd->d);
+    __m256 a1 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_permutevar8x32_ps(sc, odd)),
+                              _mm256_permutevar8x32_ps(xd8, odd));
+    __m256 a0 = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_permutevar8x32_ps(sc, even)),
+                              _mm256_permutevar8x32_ps(xd8, even));
+    __m256 part = _mm256_mul_ps(a1, _mm256_cvtepi32_ps(s1));
+    part = _mm256_fmadd_ps(a0, _mm256_cvtepi32_ps(s0), part);
+    __m256 m = _mm256_fmadd_ps(
+        _mm256_permutevar8x32_ps(mn, even), _mm256_permutevar8x32_ps(xs8, even),
+        _mm256_mul_ps(_mm256_permutevar8x32_ps(mn, odd), _mm256_permutevar8x32_ps(xs8, odd)));
+    float nd = -hd->dmin;
+    __m256 dm = _mm256_setr_ps(nd, 0.0f, nd, 0.0f, nd, 0.0f, nd, 0.0f);
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(dm, m, part));
+}
+#endif
+
 static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
                        const float *xd, const float *xs, float out[8]) {
     if (sb >= groups) {
@@ -241,6 +303,12 @@ static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
     const uint8_t *blk = row + (size_t)sb * 144;
     q4k_head hd;
     q4_k_head(blk, &hd);
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        parts_q4_k_avx2(blk, &hd, xq + (size_t)sb * 256, xd + sb * 8, xs + sb * 8, out);
+        return;
+    }
+#endif
     const uint8_t *qs = blk + 16;
     const int8_t *x = xq + (size_t)sb * 256;
     int32_t s0[8], s1[8];
@@ -262,8 +330,27 @@ static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
     }
 }
 
+#ifdef HAVE_AVX2_PATH
+/* One level of tree_sum over n >= 16 values (v[i] = v[2i] + v[2i + 1]), 16 at a time: hadd
+ * makes the same pairs' sums; the 64-bit permute puts them back in index order. */
+__attribute__((target("avx2"))) static void tree_level_avx2(float *v, int n) {
+    for (int i = 0; i < n / 16; i++) {
+        __m256 s = _mm256_hadd_ps(_mm256_loadu_ps(v + 16 * i), _mm256_loadu_ps(v + 16 * i + 8));
+        _mm256_storeu_ps(v + 8 * i, _mm256_castpd_ps(_mm256_permute4x64_pd(
+                                        _mm256_castps_pd(s), 0xD8)));
+    }
+}
+#endif
+
 /* mmvq.tree_sum over n (a power of two) values, in place. */
 static float tree_sum(float *v, int n) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        for (; n >= 16; n >>= 1) {
+            tree_level_avx2(v, n);
+        }
+    }
+#endif
     for (; n > 1; n >>= 1) {
         for (int i = 0; i < n / 2; i++) {
             v[i] = v[2 * i] + v[2 * i + 1];
@@ -346,6 +433,61 @@ void silu_rn_n(const float *g, float *out, int64_t n) {
 
 /* The 32 tile elements of group sb of one Q4_K down row (slot 8c + w: run c, word w), as
  * mmvq._acc_q4_k accumulates them from 0.0 with the block scales times wt. */
+#ifdef HAVE_AVX2_PATH
+/* tile_q4_k's 8 words of a run at once (lane w: the scalar code's operations for word w). */
+__attribute__((target("avx2,fma"))) static void tile_q4_k_avx2(const uint8_t *blk,
+                                                               const q4k_head *hd, float d,
+                                                               float dmin, const int8_t *x,
+                                                               const float *xdb,
+                                                               const float *xsb, float out[32]) {
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256 dm = _mm256_setr_ps(-dmin, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
+        __m256i l = _mm256_and_si256(v, mask);
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        __m256i f0 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)(x + 64 * c))), ones);
+        __m256i f1 = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))),
+            ones);
+        float a0 = (d * hd->sc[2 * c]) * xdb[2 * c];
+        float a1 = (d * hd->sc[2 * c + 1]) * xdb[2 * c + 1];
+        float m = fmaf(hd->mn[2 * c], xsb[2 * c], hd->mn[2 * c + 1] * xsb[2 * c + 1]);
+        __m256 acc = _mm256_fmadd_ps(_mm256_set1_ps(a0), _mm256_cvtepi32_ps(f0),
+                                     _mm256_setzero_ps());
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(a1), _mm256_cvtepi32_ps(f1), acc);
+        _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(dm, _mm256_set1_ps(m), acc));
+    }
+}
+
+/* tile_q6_k's 8 lanes of a run at once (lane L: word 3L mod 8, the scalar code's operations). */
+__attribute__((target("avx2,fma"))) static void tile_q6_k_avx2(const uint8_t *blk, float d,
+                                                               const int8_t *x, const float *xd,
+                                                               int sb, float out[32]) {
+    const __m256i perm = _mm256_setr_epi32(0, 3, 6, 1, 4, 7, 2, 5);
+    for (int c = 0; c < 4; c++) {
+        int n = c / 2, t = c % 2;
+        const uint8_t *ql = blk + 64 * n + 32 * t, *qh = blk + 128 + 32 * n;
+        const int8_t *x0 = x + 128 * n + 32 * t;
+        __m256i s0, s1;
+        q6_words_vec(ql, qh, t, x0, x0 + 64, &s0, &s1);
+        const uint8_t *sc = blk + 192 + 8 * n + 2 * t; /* lane L: sc[w / 4], sc[w / 4 + 4] */
+        int lo = (int8_t)sc[0], hi = (int8_t)sc[1], lo4 = (int8_t)sc[4], hi4 = (int8_t)sc[5];
+        __m256i sc0 = _mm256_setr_epi32(lo, lo, hi, lo, hi, hi, lo, hi);
+        __m256i sc1 = _mm256_setr_epi32(lo4, lo4, hi4, lo4, hi4, hi4, lo4, hi4);
+        __m256i p0 = _mm256_mullo_epi32(sc0, _mm256_permutevar8x32_epi32(s0, perm));
+        __m256i p1 = _mm256_mullo_epi32(sc1, _mm256_permutevar8x32_epi32(s1, perm));
+        int b0 = sb * 8 + 4 * n + t;
+        float a0 = d * xd[b0], a1 = d * xd[b0 + 2];
+        __m256 acc = _mm256_fmadd_ps(_mm256_set1_ps(a0), _mm256_cvtepi32_ps(p0),
+                                     _mm256_setzero_ps());
+        _mm256_storeu_ps(out + 8 * c,
+                         _mm256_fmadd_ps(_mm256_set1_ps(a1), _mm256_cvtepi32_ps(p1), acc));
+    }
+}
+#endif
+
 static void tile_q4_k(const uint8_t *row, int sb, const int8_t *xq, const float *xd,
                       const float *xs, float wt, float out[32]) {
     const uint8_t *blk = row + (size_t)sb * 144;
@@ -354,6 +496,12 @@ static void tile_q4_k(const uint8_t *row, int sb, const int8_t *xq, const float 
     float d = hd.d * wt, dmin = hd.dmin * wt;
     const int8_t *x = xq + (size_t)sb * 256;
     const float *xdb = xd + sb * 8, *xsb = xs + sb * 8;
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        tile_q4_k_avx2(blk, &hd, d, dmin, x, xdb, xsb, out);
+        return;
+    }
+#endif
     for (int c = 0; c < 4; c++) {
         int32_t f0[8], f1[8];
         nibble_words(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, f0, f1);
@@ -376,6 +524,12 @@ static void tile_q6_k(const uint8_t *row, int sb, const int8_t *xq, const float 
     const uint8_t *blk = row + (size_t)sb * 210;
     float d = f16_to_f32((uint16_t)(blk[208] | (blk[209] << 8))) * wt;
     const int8_t *x = xq + (size_t)sb * 256;
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        tile_q6_k_avx2(blk, d, x, xd, sb, out);
+        return;
+    }
+#endif
     for (int c = 0; c < 4; c++) {
         int n = c / 2, t = c % 2;
         const uint8_t *ql = blk + 64 * n + 32 * t, *qh = blk + 128 + 32 * n;
