@@ -9,11 +9,10 @@ median rate of expert weights read (GB/s, 1e9 B/s), min-max over the rounds, per
 and what that rate means for a 30B token whose host-placed experts the CPU computes: 1.097 GB
 of active expert weights a token (bench/RESULTS.md, "Ceilings") over the rate.
 
-Then a layer's host experts of one token in one call (`native.moe_host_rows`, its threads
-OpenMP's): 4 of the token's 8 experts (half the experts on the host) and all 8, the median
-time a call over `--rounds` x 12 calls (each call other experts), and 48 layers of it: the
-host's share of a 30B token.
-"""
+One thread's time for an expert's gate/up and for its down, apart. Then a layer's host experts
+of one token in one call (`native.moe_host_rows`, its threads OpenMP's): 4 of the token's 8
+experts (half the experts on the host) and all 8, the median time a call over `--rounds` x 12
+calls (each call other experts), and 48 layers of it: the host's share of a 30B token."""
 
 from __future__ import annotations
 
@@ -61,6 +60,7 @@ def main() -> int:
 
     one(experts[0])  # builds the library
     print(f"{args.experts} experts, {nbytes / 1e6:.0f} MB of weights a round")
+    split(experts, xq, xd, xs, args.rounds)
     print("| threads | GB/s of expert weights (median, min-max) | 30B token's experts, ms |")
     print("|---|---|---|")
     for n in (int(v) for v in args.threads.split(",")):
@@ -92,6 +92,33 @@ def main() -> int:
             print(f"| {n} | {per_token} | {med * 1e3:.2f} ({min(times) * 1e3:.2f}-"
                   f"{max(times) * 1e3:.2f}) | {48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
     return 0
+
+
+def split(experts: list, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, rounds: int) -> None:
+    """One thread: an expert's gate/up and its Q6_K down timed apart (median over `rounds` of
+    the mean over the experts)."""
+
+    def gate_up() -> tuple[float, tuple[np.ndarray, ...]]:
+        t = time.perf_counter()
+        for g, u, _ in experts:
+            h = native.gate_up_q4_k(g, u, xq, xd, xs, 8)
+        return (time.perf_counter() - t) / len(experts), h
+
+    def down(h: tuple[np.ndarray, ...]) -> float:
+        t = time.perf_counter()
+        for _, _, d in experts:
+            native.down_rows(d, True, *h, 0.125, 4)
+        return (time.perf_counter() - t) / len(experts)
+
+    h = gate_up()[1]
+    t_up = statistics.median(gate_up()[0] for _ in range(rounds))
+    t_down = statistics.median(down(h) for _ in range(rounds))
+    g, u, d = experts[0]
+    up_rate, down_rate = (g.nbytes + u.nbytes) / t_up / 1e9, d.nbytes / t_down / 1e9
+    print(
+        f"one thread: gate/up {t_up * 1e3:.3f} ms an expert ({up_rate:.2f} GB/s), "
+        f"Q6_K down {t_down * 1e3:.3f} ms ({down_rate:.2f} GB/s)"
+    )
 
 
 if __name__ == "__main__":
