@@ -171,8 +171,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="F",
         help="with --expert-zero-copy: the CPU's cores compute this fraction of each layer's "
-        "host-placed experts (the GPU reads the rest across the host link), with the GPU's bits; "
-        "one host sync per layer, no CUDA graphs. Needs Q4_K gate/up and a C compiler",
+        "host-placed experts (the GPU reads the rest across the host link), with the GPU's bits, "
+        "as CUDA host functions inside the step (CUDA graphs stay on). Needs Q4_K gate/up, a "
+        "Q4_K or Q6_K down and a C compiler",
     )
     e.add_argument(
         "--expert-cpu-threads",

@@ -62,10 +62,12 @@ HEAT_DECAY = 0.5
 
 
 def host_computable(stacks: Sequence[QTensor]) -> bool:
-    """Whether the host's native code can compute these experts (`native.moe_host_rows`)."""
+    """Whether the host's native code can compute these experts (`native.moe_host_rows`:
+    Q4_K gate/up, a Q4_K or Q6_K down, F and H multiples of 256)."""
     gate, up, down = stacks
     q = GGMLQuantizationType
-    return gate.qtype == up.qtype == q.Q4_K and down.qtype in (q.Q4_K, q.Q6_K)
+    shapes = gate.shape[1] % 256 == 0 and gate.shape[2] % 256 == 0
+    return shapes and gate.qtype == up.qtype == q.Q4_K and down.qtype in (q.Q4_K, q.Q6_K)
 
 
 class ZeroCopyExperts:
@@ -180,6 +182,10 @@ class ZeroCopyExperts:
         then swap hot host-placed experts with cold device-placed ones (module docstring).
         Returns the number of swaps. `reads`: the read counters' values, if the caller has read
         them (`rebalance_all` reads every layer's in one sync); else one device sync."""
+        # The read-back is a device sync (here or in `rebalance_all`): every queued step, its host
+        # functions included, has run, so `_swap` may rewrite the host tables that later host
+        # functions read (they are not stream-ordered; the expert bytes and the address table
+        # are).
         reads = self._reads.tolist() if reads is None else list(reads)
         for e, (now, seen) in enumerate(zip(reads, self._seen)):
             self._tier_reads[self._tier(e)] += now - seen
