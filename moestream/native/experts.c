@@ -232,9 +232,34 @@ typedef struct {
     float d, dmin, sc[8], mn[8];
 } q4k_head;
 
+#ifdef HAVE_AVX2_PATH
+/* scale_min of all 8 sub-blocks at once: the 6-bit fields gathered by 32-bit word masks
+ * (bytes 0-7 the scales, 8-15 the mins, as scale_min takes them apart), then widened to
+ * floats (exact: small integers). */
+__attribute__((target("avx2"))) static void scales_mins_avx2(const uint8_t *q, float sc[8],
+                                                             float mn[8]) {
+    uint32_t w[4], out[4];
+    memcpy(w, q, 12);
+    const uint32_t m6 = 0x3f3f3f3fu, m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+    out[0] = w[0] & m6;                                     /* sc 0-3: q[s] & 63 */
+    out[1] = (w[2] & m4) | (((w[0] >> 6) & m2) << 4);       /* sc 4-7 */
+    out[2] = w[1] & m6;                                     /* mn 0-3: q[s + 4] & 63 */
+    out[3] = ((w[2] >> 4) & m4) | (((w[1] >> 6) & m2) << 4); /* mn 4-7 */
+    __m128i b = _mm_loadu_si128((const __m128i *)out);
+    _mm256_storeu_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+    _mm256_storeu_ps(mn, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
+}
+#endif
+
 static void q4_k_head(const uint8_t *blk, q4k_head *hd) {
     hd->d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
     hd->dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8)));
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        scales_mins_avx2(blk + 4, hd->sc, hd->mn);
+        return;
+    }
+#endif
     for (int s = 0; s < 8; s++) {
         scale_min(blk + 4, s, &hd->sc[s], &hd->mn[s]);
     }
