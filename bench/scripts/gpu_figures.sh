@@ -128,6 +128,8 @@
 #   bench/scripts/gpu_figures.sh s15a    per-expert down sums vs default; the 30B at 50% of experts
 #                                        on the device, host experts over the link or on the CPU
 #   bench/scripts/gpu_figures.sh s15b    the same at 25% and 10%
+#   bench/scripts/gpu_figures.sh s16a    host experts' text at three placements; native speed
+#                                        after the AVX2 work; the 30B at 50 / 10% with the CPU
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
@@ -997,6 +999,16 @@ PY
       -rf 2>&1 | tail -4
     synth qwen3-30b-a3b q30
     hyb 50 8.8 0.33; hyb 25 4.4 0; hyb 25 4.4 0.33; hyb 10 1.76 0; hyb 10 1.76 0.33
+    ;;
+  s16a)  # next session: what this one could not run. The text of host-computed experts at
+    # three placements (graphs on) and the GPU-vs-interpreter bits; the native experts on the
+    # host's 16 cores after the AVX2 float lanes and word-mask scales; the 30B at 50 and 10%
+    # with a third of the host experts on the CPU (batch 1 and 8 requests)
+    timeout 200 python3 -m pytest tests/experts/test_host_compute_gpu.py \
+      tests/kernels/test_exact.py -q -p no:cacheprovider -rf 2>&1 | tail -4
+    timeout 90 python3 bench/native_experts.py --threads 1,8,16 | tee "$out/native.md"
+    synth qwen3-30b-a3b q30
+    hyb 50 8.8 0.33; hyb 10 1.76 0.33
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;
