@@ -135,22 +135,22 @@ class LayerHostWork:
         self.up_groups = up_groups
         self.down_groups = down_groups
         self._args: dict[tuple[int, int], native.HostLayerArgs] = {}  # per launch shape (t, k)
-        self._pending: tuple[native.HostLayerArgs, int] | None = None
+        self._pending: tuple[native.HostLayerArgs, dict[str, torch.Tensor], int] | None = None
         compute.layers.append(self)
 
     def launch_args(self) -> list[native.HostLayerArgs]:
         return list(self._args.values())
 
-    def _args_for(self, t: int, k: int, h: int, f: int) -> native.HostLayerArgs:
+    def _args_for(self, t: int, k: int, b: dict[str, torch.Tensor]) -> native.HostLayerArgs:
         args = self._args.get((t, k))
         if args is None:
             marked, addr, gu_row_bytes, down_row_bytes, q6 = self.provider.host_tables()
-            b = self.compute.buffers(h)
+            f, h = self.provider.stacked()[0].shape[1:]
             args = native.HostLayerArgs(
                 marked=marked.ctypes.data, gate=addr[0].ctypes.data, up=addr[1].ctypes.data,
                 down=addr[2].ctypes.data, gu_row_bytes=gu_row_bytes,
                 down_row_bytes=down_row_bytes, q6=int(q6), h=h, f=f, up_g=self.up_groups,
-                down_g=self.down_groups, threads=self.compute.threads, t=t, k=k, ids64=1,
+                down_g=self.down_groups, threads=self.compute.threads, t=t, k=k,
                 ids=b["ids"].data_ptr(), weights=b["weights"].data_ptr(),
                 xq=b["xq"].data_ptr(), xd=b["xd"].data_ptr(), xs=b["xs"].data_ptr(),
                 rows=b["rows"].data_ptr(),
@@ -160,12 +160,11 @@ class LayerHostWork:
 
     def begin(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, xa: Q8Act) -> None:
         t, k = topk_ids.shape
-        a, h = t * k, xa.q.shape[1] * 4
+        a = t * k
         if a > MAX_ASSIGNMENTS:
             raise ValueError(f"host experts take at most {MAX_ASSIGNMENTS} assignments a launch")
-        f = self.provider.stacked()[0].shape[1]
-        args = self._args_for(t, k, h, f)
-        b = self.compute.buffers(h)
+        b = self.compute.buffers(xa.q.shape[1] * 4)
+        args = self._args_for(t, k, b)
         b["ids"][:a].view(t, k).copy_(topk_ids, non_blocking=True)
         b["weights"][:a].view(t, k).copy_(topk_weights, non_blocking=True)
         for name, src in (("xq", xa.q), ("xd", xa.d), ("xs", xa.s)):
@@ -176,14 +175,13 @@ class LayerHostWork:
             with torch.cuda.stream(stream):
                 self.compute.launch(args)
                 b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
-        self._pending = (args, a)
+        self._pending = (args, b, a)
 
     def rows(self) -> torch.Tensor:
         if self._pending is None:
             raise RuntimeError("LayerHostWork.rows before begin")
-        args, a = self._pending
+        args, b, a = self._pending
         self._pending = None
-        b = self.compute._buffers
         stream = self.compute.stream
         if stream is not None:
             torch.cuda.current_stream(self.compute.device).wait_stream(stream)

@@ -62,7 +62,8 @@ def library() -> ctypes.CDLL:
 
 
 def _cpu_features() -> str:
-    """This CPU's model and feature flags (a library built with -march=native is for it)."""
+    """This CPU's model and feature flags (part of the build's key: its target and dispatch
+    follow them)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -152,7 +153,7 @@ class HostLayerArgs(ctypes.Structure):
         ("gu_row_bytes", ctypes.c_int64),
         ("down_row_bytes", ctypes.c_int64),
         *[(name, ctypes.c_int32) for name in ("q6", "h", "f", "up_g", "down_g", "threads")],
-        *[(name, ctypes.c_int32) for name in ("t", "k", "ids64")],
+        *[(name, ctypes.c_int32) for name in ("t", "k")],
         *[(name, ctypes.c_void_p) for name in ("ids", "weights", "xq", "xd", "xs", "rows")],
         ("calls", ctypes.c_int64),
         ("assignments", ctypes.c_int64),
@@ -318,8 +319,8 @@ def moe_host_rows(
 
 @contextlib.contextmanager
 def scalar_only() -> Iterator[None]:
-    """Within the block the native code takes its portable scalar integer path even where the
-    CPU has AVX2 (tests compare both)."""
+    """Within the block the native code takes its portable scalar path (integer dot products
+    and float arithmetic) even where the CPU has AVX2 (tests compare both)."""
     library().native_force_scalar(1)
     try:
         yield

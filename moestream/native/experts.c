@@ -73,30 +73,30 @@ static void nibble_words_scalar(const uint8_t *q, const int8_t *x_lo, const int8
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_AVX2_PATH 1
-__attribute__((target("avx2"))) static void nibble_words_avx2(const uint8_t *q,
-                                                              const int8_t *x_lo,
-                                                              const int8_t *x_hi, int32_t lo[8],
-                                                              int32_t hi[8]) {
+/* nibble_words_scalar's lo and hi as two vectors of 8 int32 (the same integers). */
+__attribute__((target("avx2"))) static inline void nibble_words_vec(const uint8_t *q,
+                                                                    const int8_t *x_lo,
+                                                                    const int8_t *x_hi,
+                                                                    __m256i *lo, __m256i *hi) {
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256i v = _mm256_loadu_si256((const __m256i *)q);
     __m256i l = _mm256_and_si256(v, mask);
     __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
     /* u8 x s8 pairs (at most 2 * 15 * 128: no saturation), then pairs of pairs: one int32
      * per 4 bytes */
-    __m256i pl = _mm256_madd_epi16(
+    *lo = _mm256_madd_epi16(
         _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)x_lo)), ones);
-    __m256i ph = _mm256_madd_epi16(
+    *hi = _mm256_madd_epi16(
         _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)x_hi)), ones);
-    _mm256_storeu_si256((__m256i *)lo, pl);
-    _mm256_storeu_si256((__m256i *)hi, ph);
 }
 #endif
 
-static int avx2_on = -1; /* -1: not yet asked; native_force_scalar sets 0 (tests) */
-/* AVX2 and FMA: the integer dot products and the per-block float arithmetic 8 lanes at a time
- * (each lane's operations are the scalar code's, so the bits are the same). */
+/* Where the CPU has AVX2 and FMA, the integer dot products and the per-block float arithmetic
+ * run 8 lanes at a time (each lane's operations are the scalar code's, so the bits are the
+ * same); else the portable scalar code. -1: not yet asked. */
+static int avx2_on = -1;
 
-/* Tests: 1 runs the portable scalar integer code even where AVX2 is present, 0 the default. */
+/* Tests: 1 runs the portable scalar code even where AVX2 is present, 0 the default. */
 void native_force_scalar(int scalar) { avx2_on = scalar ? 0 : -1; }
 
 static int use_avx2(void) {
@@ -110,17 +110,6 @@ static int use_avx2(void) {
 #else
     return 0;
 #endif
-}
-
-static void nibble_words(const uint8_t *q, const int8_t *x_lo, const int8_t *x_hi, int32_t lo[8],
-                         int32_t hi[8]) {
-#ifdef HAVE_AVX2_PATH
-    if (use_avx2()) {
-        nibble_words_avx2(q, x_lo, x_hi, lo, hi);
-        return;
-    }
-#endif
-    nibble_words_scalar(q, x_lo, x_hi, lo, hi);
 }
 
 /* The integer dot products of one Q6_K run (half n, quarter t): s0[w] = sum over bytes 4w ..
@@ -142,6 +131,7 @@ static void q6_words_scalar(const uint8_t *ql, const uint8_t *qh, int t, const i
 }
 
 #ifdef HAVE_AVX2_PATH
+/* q6_words_scalar's s0 and s1 as two vectors of 8 int32 (the same integers). */
 __attribute__((target("avx2"))) static inline void q6_words_vec(const uint8_t *ql,
                                                                 const uint8_t *qh, int t,
                                                                 const int8_t *x0,
@@ -169,28 +159,7 @@ __attribute__((target("avx2"))) static inline void q6_words_vec(const uint8_t *q
     *s0 = _mm256_sub_epi32(d0, _mm256_slli_epi32(x0s, 5));
     *s1 = _mm256_sub_epi32(d1, _mm256_slli_epi32(x1s, 5));
 }
-
-__attribute__((target("avx2"))) static void q6_words_avx2(const uint8_t *ql, const uint8_t *qh,
-                                                          int t, const int8_t *x0,
-                                                          const int8_t *x1, int32_t s0[8],
-                                                          int32_t s1[8]) {
-    __m256i a, b;
-    q6_words_vec(ql, qh, t, x0, x1, &a, &b);
-    _mm256_storeu_si256((__m256i *)s0, a);
-    _mm256_storeu_si256((__m256i *)s1, b);
-}
 #endif
-
-static void q6_words(const uint8_t *ql, const uint8_t *qh, int t, const int8_t *x0,
-                     const int8_t *x1, int32_t s0[8], int32_t s1[8]) {
-#ifdef HAVE_AVX2_PATH
-    if (use_avx2()) {
-        q6_words_avx2(ql, qh, t, x0, x1, s0, s1);
-        return;
-    }
-#endif
-    q6_words_scalar(ql, qh, t, x0, x1, s0, s1);
-}
 
 /* exact.exp_rn: Cody-Waite reduction, degree-7 Taylor polynomial in fmas, 2^k from its bits. */
 static float exp_rn(float x) {
@@ -265,9 +234,6 @@ static void q4_k_head(const uint8_t *blk, q4k_head *hd) {
     }
 }
 
-/* The 8 partials of group sb of one Q4_K row (slot 2c + h: run c, half h), as
- * mmvq_once._once_q4_k computes them (all zero where sb >= groups). The lanes are independent
- * elementwise chains: a compiler may run them side by side without changing a bit. */
 #ifdef HAVE_AVX2_PATH
 /* parts_q4_k's 8 lanes at once: s0 and s1 by horizontal integer adds (exact in any order), then
  * lane p's float operations as the scalar code writes them, with c = p / 2's scales and
@@ -277,17 +243,9 @@ __attribute__((target("avx2,fma"))) static void parts_q4_k_avx2(const uint8_t *b
                                                                 const int8_t *x,
                                                                 const float *xdb,
                                                                 const float *xsb, float out[8]) {
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256i pl[4], ph[4];
     for (int c = 0; c < 4; c++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-        __m256i l = _mm256_and_si256(v, mask);
-        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        pl[c] = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)(x + 64 * c))), ones);
-        ph[c] = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))),
-            ones);
+        nibble_words_vec(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, &pl[c], &ph[c]);
     }
     /* hadd, hadd: [r0 w0-3, r1 w0-3, r2 w0-3, r3 w0-3 | r0 w4-7, ...]; then lane 2c + half */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -317,6 +275,9 @@ __attribute__((target("avx2,fma"))) static void parts_q4_k_avx2(const uint8_t *b
 }
 #endif
 
+/* The 8 partials of group sb of one Q4_K row (slot 2c + h: run c, half h), as
+ * mmvq_once._once_q4_k computes them (all zero where sb >= groups). The lanes are independent
+ * elementwise chains: a compiler may run them side by side without changing a bit. */
 static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
                        const float *xd, const float *xs, float out[8]) {
     if (sb >= groups) {
@@ -339,7 +300,7 @@ static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
     int32_t s0[8], s1[8];
     for (int c = 0; c < 4; c++) { /* run c: words 0-3 are half 0, 4-7 half 1 */
         int32_t lo[8], hi[8];
-        nibble_words(qs + 32 * c, x + 64 * c, x + 64 * c + 32, lo, hi);
+        nibble_words_scalar(qs + 32 * c, x + 64 * c, x + 64 * c + 32, lo, hi);
         s0[2 * c] = (lo[0] + lo[1]) + (lo[2] + lo[3]);
         s0[2 * c + 1] = (lo[4] + lo[5]) + (lo[6] + lo[7]);
         s1[2 * c] = (hi[0] + hi[1]) + (hi[2] + hi[3]);
@@ -456,8 +417,6 @@ void silu_rn_n(const float *g, float *out, int64_t n) {
 }
 
 
-/* The 32 tile elements of group sb of one Q4_K down row (slot 8c + w: run c, word w), as
- * mmvq._acc_q4_k accumulates them from 0.0 with the block scales times wt. */
 #ifdef HAVE_AVX2_PATH
 /* tile_q4_k's 8 words of a run at once (lane w: the scalar code's operations for word w). */
 __attribute__((target("avx2,fma"))) static void tile_q4_k_avx2(const uint8_t *blk,
@@ -465,17 +424,10 @@ __attribute__((target("avx2,fma"))) static void tile_q4_k_avx2(const uint8_t *bl
                                                                float dmin, const int8_t *x,
                                                                const float *xdb,
                                                                const float *xsb, float out[32]) {
-    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256 dm = _mm256_setr_ps(-dmin, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
     for (int c = 0; c < 4; c++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * c));
-        __m256i l = _mm256_and_si256(v, mask);
-        __m256i h = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        __m256i f0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(l, _mm256_loadu_si256((const __m256i *)(x + 64 * c))), ones);
-        __m256i f1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(h, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32))),
-            ones);
+        __m256i f0, f1;
+        nibble_words_vec(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, &f0, &f1);
         float a0 = (d * hd->sc[2 * c]) * xdb[2 * c];
         float a1 = (d * hd->sc[2 * c + 1]) * xdb[2 * c + 1];
         float m = fmaf(hd->mn[2 * c], xsb[2 * c], hd->mn[2 * c + 1] * xsb[2 * c + 1]);
@@ -513,6 +465,8 @@ __attribute__((target("avx2,fma"))) static void tile_q6_k_avx2(const uint8_t *bl
 }
 #endif
 
+/* The 32 tile elements of group sb of one Q4_K down row (slot 8c + w: run c, word w), as
+ * mmvq._acc_q4_k accumulates them from 0.0 with the block scales times wt. */
 static void tile_q4_k(const uint8_t *row, int sb, const int8_t *xq, const float *xd,
                       const float *xs, float wt, float out[32]) {
     const uint8_t *blk = row + (size_t)sb * 144;
@@ -529,7 +483,7 @@ static void tile_q4_k(const uint8_t *row, int sb, const int8_t *xq, const float 
 #endif
     for (int c = 0; c < 4; c++) {
         int32_t f0[8], f1[8];
-        nibble_words(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, f0, f1);
+        nibble_words_scalar(blk + 16 + 32 * c, x + 64 * c, x + 64 * c + 32, f0, f1);
         float a0 = (d * hd.sc[2 * c]) * xdb[2 * c];
         float a1 = (d * hd.sc[2 * c + 1]) * xdb[2 * c + 1];
         float m = fmaf(hd.mn[2 * c], xsb[2 * c], hd.mn[2 * c + 1] * xsb[2 * c + 1]);
@@ -560,7 +514,7 @@ static void tile_q6_k(const uint8_t *row, int sb, const int8_t *xq, const float 
         const uint8_t *ql = blk + 64 * n + 32 * t, *qh = blk + 128 + 32 * n;
         const int8_t *x0 = x + 128 * n + 32 * t;
         int32_t s0[8], s1[8];
-        q6_words(ql, qh, t, x0, x0 + 64, s0, s1);
+        q6_words_scalar(ql, qh, t, x0, x0 + 64, s0, s1);
         int b0 = sb * 8 + 4 * n + t;
         float a0 = d * xd[b0], a1 = d * xd[b0 + 2];
         for (int lane = 0; lane < 8; lane++) {
@@ -612,9 +566,9 @@ int down_rows(const uint8_t *w, int64_t row_bytes, int q6, int f, int n0, int n1
  * [T][H / 32]. Returns 0, or -1 for arguments the row functions cannot take. */
 int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_t *down,
                   const int32_t *q6, const int32_t *tok, const float *wt, int64_t gu_row_bytes,
-                  const int64_t *down_row_bytes, int h, int f, int up_g, int down_g, const int8_t *xq,
-                  const float *xd, const float *xs, int8_t *hq, float *hd, float *hs,
-                  float *rows, int threads) {
+                  const int64_t *down_row_bytes, int h, int f, int up_g, int down_g,
+                  const int8_t *xq, const float *xd, const float *xs, int8_t *hq, float *hd,
+                  float *hs, float *rows, int threads) {
     int up_blocks = f / 32, down_blocks = (h + 63) / 64, bad = 0;
     if (f % 256 || h % 256 || n < 0) {
         return -1;
@@ -652,17 +606,17 @@ int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_
  * stream runs it between the copies that bring the routing in and take the rows out, so a CUDA
  * graph can hold it) or called directly (CPU tests). The layer's tables say which experts the
  * host computes (marked[e]) and where their bytes are; the launch's buffers hold the routing of
- * t tokens of k experts (ids int32 or int64, weights float32), their q8 activations and the
- * rows [t * k][h] to fill: row a for each assignment a whose expert is marked (the others are
- * left as they are). Counters: calls, assignments computed, nanoseconds; status -1 if a call
- * failed (its rows are then not valid). */
+ * t tokens of k experts (ids int64, weights float32), their q8 activations and the rows
+ * [t * k][h] to fill: row a for each assignment a whose expert is marked (the others are left
+ * as they are). Counters: calls, assignments computed, nanoseconds; status -1 if a call failed
+ * (out of memory, or shapes moe_host_rows refuses; its rows are then not valid). */
 typedef struct {
     const int8_t *marked;       /* [E] nonzero: computed here */
     const uint64_t *gate, *up, *down; /* [E] host addresses of each expert's rows */
     int64_t gu_row_bytes, down_row_bytes;
     int32_t q6, h, f, up_g, down_g, threads;
-    int32_t t, k, ids64;
-    const void *ids;
+    int32_t t, k;
+    const int64_t *ids;
     const float *weights;
     const int8_t *xq;
     const float *xd, *xs;
@@ -675,47 +629,56 @@ void host_layer(void *arg) {
     host_layer_args *p = (host_layer_args *)arg;
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    int a_all = p->t * p->k, n = 0;
+    int a_all = p->t * p->k, n = 0, rc = 0;
     int *sel = malloc(sizeof(int) * (size_t)(a_all ? a_all : 1));
+    if (sel == NULL) {
+        p->status = -1;
+        return;
+    }
     for (int a = 0; a < a_all; a++) {
-        int64_t e = p->ids64 ? ((const int64_t *)p->ids)[a] : ((const int32_t *)p->ids)[a];
-        if (p->marked[e]) {
+        if (p->marked[p->ids[a]]) {
             sel[n++] = a;
         }
     }
-    int rc = 0;
     if (n) {
-        size_t fb = (size_t)p->f, hb = (size_t)p->h;
-        uint64_t *ptr = malloc(sizeof(uint64_t) * 3 * (size_t)n);
-        int32_t *q6 = malloc(sizeof(int32_t) * 2 * (size_t)n);
-        int64_t *drb = malloc(sizeof(int64_t) * (size_t)n);
-        float *wt = malloc(sizeof(float) * (size_t)n);
-        int8_t *hq = malloc(fb * (size_t)n);
-        float *hd = malloc(sizeof(float) * (fb / 32) * 2 * (size_t)n);
-        float *out = malloc(sizeof(float) * hb * (size_t)n);
-        for (int i = 0; i < n; i++) {
-            int a = sel[i];
-            int64_t e = p->ids64 ? ((const int64_t *)p->ids)[a] : ((const int32_t *)p->ids)[a];
-            ptr[i] = p->gate[e];
-            ptr[n + i] = p->up[e];
-            ptr[2 * n + i] = p->down[e];
-            q6[i] = p->q6;
-            q6[n + i] = a / p->k; /* the assignment's token */
-            drb[i] = p->down_row_bytes;
-            wt[i] = p->weights[a];
-        }
-        rc = moe_host_rows(n, ptr, ptr + n, ptr + 2 * n, q6, q6 + n, wt, p->gu_row_bytes, drb,
-                           p->h, p->f, p->up_g, p->down_g, p->xq, p->xd, p->xs, hq, hd,
-                           hd + (fb / 32) * (size_t)n, out, p->threads);
-        for (int i = 0; i < n && rc == 0; i++) {
-            memcpy(p->rows + (size_t)sel[i] * hb, out + (size_t)i * hb, sizeof(float) * hb);
+        size_t fb = (size_t)p->f, hb = (size_t)p->h, nn = (size_t)n;
+        uint64_t *ptr = malloc(sizeof(uint64_t) * 3 * nn); /* gate, up, down addresses */
+        int32_t *q6 = malloc(sizeof(int32_t) * nn), *tok = malloc(sizeof(int32_t) * nn);
+        int64_t *drb = malloc(sizeof(int64_t) * nn);
+        float *wt = malloc(sizeof(float) * nn);
+        int8_t *hq = malloc(fb * nn);
+        float *hd = malloc(sizeof(float) * (fb / 32) * nn);
+        float *hs = malloc(sizeof(float) * (fb / 32) * nn);
+        float *out = malloc(sizeof(float) * hb * nn);
+        if (!ptr || !q6 || !tok || !drb || !wt || !hq || !hd || !hs || !out) {
+            rc = -1;
+        } else {
+            for (int i = 0; i < n; i++) {
+                int a = sel[i];
+                int64_t e = p->ids[a];
+                ptr[i] = p->gate[e];
+                ptr[n + i] = p->up[e];
+                ptr[2 * n + i] = p->down[e];
+                q6[i] = p->q6;
+                tok[i] = a / p->k;
+                drb[i] = p->down_row_bytes;
+                wt[i] = p->weights[a];
+            }
+            rc = moe_host_rows(n, ptr, ptr + n, ptr + 2 * n, q6, tok, wt, p->gu_row_bytes, drb,
+                               p->h, p->f, p->up_g, p->down_g, p->xq, p->xd, p->xs, hq, hd, hs,
+                               out, p->threads);
+            for (int i = 0; i < n && rc == 0; i++) {
+                memcpy(p->rows + (size_t)sel[i] * hb, out + (size_t)i * hb, sizeof(float) * hb);
+            }
         }
         free(ptr);
         free(q6);
+        free(tok);
         free(drb);
         free(wt);
         free(hq);
         free(hd);
+        free(hs);
         free(out);
     }
     free(sel);
