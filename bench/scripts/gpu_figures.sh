@@ -130,12 +130,14 @@
 #   bench/scripts/gpu_figures.sh s15b    the same at 25% and 10%
 #   bench/scripts/gpu_figures.sh s16a    host experts' text at three placements; native speed
 #                                        after the AVX2 work; the 30B at 50 / 10% with the CPU
+#   bench/scripts/gpu_figures.sh s17a    host experts' GPU tests; the 30B's CPU share swept at 50%
+#   bench/scripts/gpu_figures.sh s17b    the 30B's CPU share swept at 10% and 25%
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d|s9e}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d|s9e|s16a|s17a|s17b}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -1009,6 +1011,23 @@ PY
     timeout 90 python3 bench/native_experts.py --threads 1,8,16 | tee "$out/native.md"
     synth qwen3-30b-a3b q30
     hyb 50 8.8 0.33; hyb 10 1.76 0.33
+    ;;
+  s17a)  # the host's rows added after the GPU's own down (the GPU no longer waits for them
+    # before its down): the GPU tests of host experts, then the CPU share swept at 50% of the
+    # 30B's experts on the device (one load, shares re-marked between arms)
+    lscpu | grep -i "model name\|^flags" | cut -c1-2000
+    timeout 200 python3 -m pytest tests/experts/test_host_compute_gpu.py tests/native \
+      -q -p no:cacheprovider -rfs 2>&1 | tail -4
+    synth qwen3-30b-a3b q30
+    timeout 330 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0,0.33,0.5,0.67,0.85 --batches 1,8 2>&1 | tee "$out/sweep50.md" | tail -14
+    ;;
+  s17b)  # the CPU share at 10% and 25% on the device; threads at 50%
+    synth qwen3-30b-a3b q30
+    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
+      --fractions 0.33,0.5,0.67,0.85,1 --batches 1,8 2>&1 | tee "$out/sweep10.md" | tail -14
+    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
+      --fractions 0.33,0.5,0.67,0.85 --batches 1,8 2>&1 | tee "$out/sweep25.md" | tail -14
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

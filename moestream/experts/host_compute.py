@@ -14,19 +14,20 @@ takes a `LayerHostWork` (`kernels.moe_mmvq.HostWork`):
    `experts.c`'s `host_layer` as a CUDA host function (`cuLaunchHostFunc`): it computes every
    assignment whose expert is marked (`native.moe_host_rows`, the kernels' operation order:
    the GPU's bits) into a pinned buffer, which the side stream then copies to the device.
-   Meanwhile the current stream runs the gate/up of the experts the GPU reads.
-2. `rows`, after the gate/up launch is queued: the current stream waits for the side stream;
-   the down kernel, queued next, adds each host row where it would have added the expert's own
-   sums.
+   Meanwhile the current stream runs the gate/up and down of the experts the GPU reads, the
+   down kernel storing each expert's sums apart.
+2. `rows`, after the down launch is queued: the current stream waits for the side stream; a
+   last kernel, queued next, adds each token's expert sums in order, the host's rows in place
+   of its experts' (`moe_mmvq._add_rows_kernel`).
 
 No Python runs per layer on the host's side, and the host never waits for the GPU: a step stays
 one CUDA graph (the host functions and copies are nodes of it), and the GPU waits for the host
-only where the host's experts take longer than its own gate/up. So the output of a token does
-not depend on which experts the host computed (bit for bit; `tests/experts/test_host_compute.py`).
-Buffers are allocated once at the largest launch (graphs hold their addresses) and shared by
-the layers: a layer's copies are queued after the previous layer's down kernel, which waited
-for the previous host function and row copy. Off CUDA (tests under the Triton interpreter)
-`rows` calls `host_layer` directly.
+only where the host's experts take longer than its own gate/up and down. The output of a token
+does not depend on which experts the host computed (bit for bit;
+`tests/experts/test_host_compute.py`). Buffers are allocated once at the largest launch (graphs
+hold their addresses) and shared by the layers: a layer's copies are queued after the previous
+layer's last kernel, which waited for the previous host function and row copy. Off CUDA (tests
+under the Triton interpreter) `rows` calls `host_layer` directly.
 
 Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
 and the time the host spent on them.
@@ -107,6 +108,16 @@ class HostCompute:
         rc = self._launch(self.stream.cuda_stream, self._fn, ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"cuLaunchHostFunc failed (CUresult {rc})")
+
+    def set_threads(self, threads: int) -> None:
+        """Threads for later host functions (every layer's launch arguments; graphs keep their
+        addresses). The caller has synchronised the device, as for `set_cpu_slots`."""
+        if threads < 1:
+            raise ValueError(f"host expert threads must be >= 1, got {threads}")
+        self.threads = threads
+        for layer in self.layers:
+            for args in layer.launch_args():
+                args.threads = threads
 
     @property
     def counters(self) -> dict[str, float]:

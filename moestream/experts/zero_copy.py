@@ -152,6 +152,20 @@ class ZeroCopyExperts:
                 down_groups(HYBRID_CONFIG, gate.shape[1]),
             )
 
+    def set_cpu_slots(self, n_cpu: int) -> None:
+        """Mark the first `n_cpu` host slots for the host's cores instead of the construction's
+        count (a layer built with host work, `n_cpu` > 0). The caller has synchronised the
+        device: queued host functions read the marks when they run (as for `rebalance`). CUDA
+        graphs need no recapture: they read the marks and the address table at every replay."""
+        if self.host_work is None:
+            raise ValueError("this layer was placed without host-computed experts")
+        if not 0 <= n_cpu <= self.num_experts - self.n_device:
+            raise ValueError(f"n_cpu {n_cpu} not in [0, {self.num_experts - self.n_device}]")
+        self.n_cpu = n_cpu
+        for e in range(self.num_experts):
+            self.host_marked[e] = self._computed_by_host(e)
+        self.host_marks.copy_(torch.from_numpy(-self.host_marked.astype(np.int32)))
+
     def _computed_by_host(self, e: int) -> bool:
         return not self._on_device[e] and self._slot[e] < self.n_cpu
 

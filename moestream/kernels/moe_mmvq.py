@@ -381,7 +381,7 @@ def _down_mmvq_kernel(
     QD: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
     G: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, TREE: tl.constexpr,
     ROWS: tl.constexpr, ADDR: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-    host_ptr=None, HOST: tl.constexpr = False, EACH: tl.constexpr = False,
+    each_ptr=None, HOST: tl.constexpr = False, EACH: tl.constexpr = False,
 ):  # fmt: skip
     """Program (token t, block of H rows, expert split s): out[t] = sum_j weight_j *
     down_slot_j(h_{t,j}).
@@ -407,10 +407,12 @@ def _down_mmvq_kernel(
     T_j one expert's sum, at any CHUNK (the chunk's loads still in flight together).
 
     HOST (EACH or one expert a chunk, tree sums, no split: `REPRODUCIBLE_DOWN`): an expert
-    whose slot is negative (with ADDR too: the slot table then marks host experts only) was
-    computed by the host, which wrote its weighted sums in host [A, H] float32; the program
-    adds that row where it would have added the expert's own sums (its loads masked off), so
-    the token's bits are those of the expert computed here."""
+    whose slot is negative (with ADDR too: the slot table then marks host experts only) is
+    computed by the host. The program stores each other expert's sums T_j in each [A, H]
+    float32 (row a for assignment a; nothing in out, nothing for host experts, their loads
+    masked off), and `_add_rows_kernel` adds T_0, T_1, ... in order once the host's rows are
+    in: the token's bits are those of the sum here, and the down kernel need not wait for the
+    host."""
     pdl_start(PDL)
     if EACH:
         tl.static_assert(not ROWS and G * 256 >= F, "EACH: the runs tile, all of F in one step")
@@ -464,16 +466,17 @@ def _down_mmvq_kernel(
                                           ASM)  # fmt: skip
                 else:
                     part = acc_runs(part, rows, sb, r % SUB, mine, wt, xq, xd, xs, QD, ASM)
-                if EACH or HOST:  # HOST without EACH: one expert a chunk
+                if HOST:  # one expert a chunk, or EACH: T_j to each[a] (a device expert)
                     sums = tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
-                    if HOST:
-                        host = tl.load(host_ptr + a * H + nr, mask=nr * 0 + mark < 0, other=0.0)
-                        sums = tl.where(mark < 0, host, sums)
-                    y += sums
+                    tl.store(each_ptr + a * H + n, sums, mask=(n < H) & (n * 0 + mark >= 0))
+                elif EACH:
+                    y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
             if ROWS:  # one layout at every T: batch invariant (see `_row_sums`)
                 y += tl.sum(tl.sum(part, axis=0), axis=0)  # [BN]
             elif not (EACH or HOST):
                 y += tl.reshape(_row_sums(part, BLOCK_N, SUB * G * 8, TREE), [BLOCK_N])
+    if HOST:  # the sums are added by `_add_rows_kernel`
+        return
     if SPLIT > 1:  # the last of the SPLIT programs to arrive adds their partials in order
         parts = part_ptr + t * SPLIT * H + n  # [BN] of split 0
         tl.store(parts + tl.program_id(2) * H, y, mask=n < H)
@@ -482,6 +485,24 @@ def _down_mmvq_kernel(
         y = tl.zeros([BLOCK_N], tl.float32)
         for j in tl.static_range(SPLIT):
             y += tl.load(parts + j * H, mask=n < H, other=0.0, cache_modifier=".cg")
+    tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
+
+
+@triton.jit
+def _add_rows_kernel(each_ptr, host_ptr, ids_ptr, slot_ptr, out_ptr, H, stride_ot,
+                     TOPK: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Program (token t, block of H rows): out[t] = ((0 + R_0) + R_1) + ... + R_{k-1}, R_j the
+    host's row of assignment a = t * k + j where its expert's slot is negative, else the down
+    kernel's (each[a]): the sums the down kernel adds in the same order (`EACH`), so the
+    token's bits do not depend on which experts the host computed."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    y = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOPK):
+        a = t * TOPK + j
+        host = n * 0 + tl.load(slot_ptr + tl.load(ids_ptr + a)) < 0
+        mine = tl.load(each_ptr + a * H + n, mask=(n < H) & ~host, other=0.0)
+        y += tl.where(host, tl.load(host_ptr + a * H + n, mask=(n < H) & host, other=0.0), mine)
     tl.store(out_ptr + t * stride_ot + n, y.to(out_ptr.dtype.element_ty), mask=n < H)
 
 
@@ -708,8 +729,9 @@ def fused_moe_mmvq(
     rows in their place. With `expert_addr`, `expert_slot` only marks them (negative: the
     host's). Needs `cfg` with `REPRODUCIBLE_DOWN`'s fields and the "once" gate/up: the output
     then has the bits it has with every expert here. A `HostWork` instead of the rows: its
-    `begin` is called before the gate/up launch and its `rows` after, so that the host
-    computes while the GPU runs the other experts' gate/up."""
+    `begin` is called before the gate/up launch and its `rows` after the down launch, so
+    that the host computes while the GPU runs the other experts' gate/up and down; a fourth
+    launch then adds each token's rows in order (`_add_rows_kernel`)."""
     if not all(w.qtype in MMVQ_QTYPES for w in (gate, up, down)):
         raise ValueError("mmvq: gate, up and down must be of MMVQ_QTYPES")
     t, h = x.shape
@@ -728,21 +750,18 @@ def fused_moe_mmvq(
         if fields != REPRODUCIBLE_DOWN or cfg.down_split != 1 or expert_slot is None:
             raise ValueError("host_rows need REPRODUCIBLE_DOWN, no down split, a slot table")
     work = None if isinstance(host_rows, torch.Tensor) else host_rows
-    if work is not None:
+    if work is None:
+        _check_host_rows(host_rows, topk_ids, h)
+    else:
         work.begin(topk_ids, topk_weights, xa)
     hq, hd, hs = gate_up_q8(
         xa, topk_ids, gate, up, expert_slot, expert_addr, cfg, counters, host=host
     )
-    if work is not None:
-        host_rows = work.rows()
-    if host_rows is not None and (
-        host_rows.shape != (topk_ids.numel(), h) or host_rows.dtype != torch.float32
-    ):
-        raise ValueError(f"host_rows must be float32 [{topk_ids.numel()}, {h}]")
     split = _divisor_at_most(k, cfg.down_split)  # experts spread over programs
     chunk = _divisor_at_most(k // split, cfg.down_experts)
     blocks = triton.cdiv(h, cfg.down_block_n)
     part = count = hd  # unused pointers without a split
+    each = torch.empty((t * k, h), dtype=torch.float32, device=x.device) if host else None
     if split > 1:
         part = torch.empty((t, split, h), dtype=torch.float32, device=x.device)
         count = _arrivals(counters, t * blocks, x.device)
@@ -753,6 +772,23 @@ def fused_moe_mmvq(
         G=down_groups(cfg, f), CHUNK=chunk, SPLIT=split, TREE=cfg.down_tree,
         ROWS=cfg.down_rows and down.qtype == GGMLQuantizationType.Q6_K and not cfg.down_each,
         ADDR=use_addr, ASM=asm, num_warps=cfg.down_warps, **pdl_args(out.device), **FP_EXACT,
-        host_ptr=host_rows, HOST=host, EACH=cfg.down_each,
+        each_ptr=each, HOST=host, EACH=cfg.down_each,
     )  # fmt: skip
+    if host:
+        if work is not None:
+            host_rows = work.rows()
+            _check_host_rows(host_rows, topk_ids, h)
+        _add_rows_kernel[(t, triton.cdiv(h, ADD_BLOCK_N))](
+            each, host_rows, topk_ids, slot, out, h, out.stride(0), TOPK=k,
+            BLOCK_N=ADD_BLOCK_N, **FP_EXACT,
+        )  # fmt: skip
     return out
+
+
+# Rows a program of `_add_rows_kernel` adds (k rows of 1 KiB each).
+ADD_BLOCK_N = 256
+
+
+def _check_host_rows(rows: torch.Tensor | None, topk_ids: torch.Tensor, h: int) -> None:
+    if rows is not None and (rows.shape != (topk_ids.numel(), h) or rows.dtype != torch.float32):
+        raise ValueError(f"host_rows must be float32 [{topk_ids.numel()}, {h}]")

@@ -71,12 +71,21 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         layer._swap(0, 1)  # a promotion: 1 to the device, 0 to its host slot (and its mark)
         assert layer.host_marked.tolist() == [1, 0, 1, 0]
         after = hybrid(layer, x, ids, weights)
+        assert compute.counters["assignments"] == 4 + 3  # ids 0, 2, 2
+        layer.count(ids)
+        assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3}
+        layer.set_cpu_slots(3)  # every host slot the host's (experts 0, 2, 3); fewer threads
+        compute.set_threads(1)
+        assert layer.host_marked.tolist() == [1, 0, 1, 1]
+        assert layer.host_marks.tolist() == [-1, 0, -1, -1]
+        assert {args.threads for args in layer.host_work.launch_args()} == {1}
+        remarked = hybrid(layer, x, ids, weights)
+        assert compute.counters["assignments"] == 7 + 4  # ids 0, 3, 2, 2 (1 on the device)
     assert np.abs(want.numpy()).max() > 0
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert torch.equal(after.view(torch.int32), want.view(torch.int32))
-    assert compute.counters["assignments"] == 4 + 3  # ids 0, 2, 2
-    layer.count(ids)
-    assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3}
+    for out in (got, after, remarked):
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    with pytest.raises(ValueError, match="n_cpu"):
+        layer.set_cpu_slots(4)
 
 
 class Shifted:

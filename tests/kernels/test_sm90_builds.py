@@ -195,13 +195,16 @@ EXACT_BUILDS = {
     "down, host experts": ("moe_mmvq", "_down_mmvq_kernel",
                            {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 8, "TREE": True,
                             "HOST": True, "EACH": True, "ADDR": False}, 4,
-                           {**MMVQ_POINTERS, "host_ptr": "*fp32"},
+                           {**MMVQ_POINTERS, "each_ptr": "*fp32"},
                            MMVQ_ALIGNED),
     "down, host experts by address": ("moe_mmvq", "_down_mmvq_kernel",
                                       {**DOWN, "QD": 270, "BLOCK_N": 4, "CHUNK": 8, "TREE": True,
                                        "HOST": True, "EACH": True, "ADDR": True}, 4,
-                                      {**MMVQ_POINTERS, "host_ptr": "*fp32"},
+                                      {**MMVQ_POINTERS, "each_ptr": "*fp32"},
                                       MMVQ_ALIGNED),
+    "host experts' rows added": ("moe_mmvq", "_add_rows_kernel", {"TOPK": 8, "BLOCK_N": 256},
+                                 4, {**MMVQ_POINTERS, "each_ptr": "*fp32", "host_ptr": "*fp32"},
+                                 {"stride_ot"}),
 }  # fmt: skip
 
 

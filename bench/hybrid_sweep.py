@@ -1,0 +1,105 @@
+"""Decode speed of zero-copy placement with host-computed experts across CPU shares and thread
+counts, one model load: which share of the host-placed experts the host's cores should take.
+
+    python bench/hybrid_sweep.py MODEL.gguf --gpu-expert-cache-gib 8.8 \\
+        [--host-expert-cache-gib 24] [--fractions 0,0.33,0.5,0.67] [--threads 16] \\
+        [--batches 1,8] [--tokens 32] [--rounds 3]
+
+The model is placed once with every host slot marked for the host (`--expert-cpu-fraction
+1`); each arm then re-marks the first share of each layer's host slots
+(`ZeroCopyExperts.set_cpu_slots`) and sets the threads (`HostCompute.set_threads`); CUDA graphs
+read both at every replay, so no arm recaptures. The arms run in turn, `--rounds` times. An
+arm's decode rate is B * N tokens over the time of B greedy requests of 1 + N tokens minus
+that of the same requests with 1 token (fresh random 32-token prompts each time, so prefill and
+the first token cancel and no prefix is reused). Output: a table of medians (min-max) of
+aggregate decode tok/s per arm and batch, and the share of expert reads per tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from moestream import LLM, SamplingParams  # noqa: E402
+
+
+def floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",")]
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--gpu-expert-cache-gib", type=float, required=True)
+    ap.add_argument("--host-expert-cache-gib", type=float, default=24.0)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--fractions", type=floats, default=floats("0,0.33,0.5,0.67"))
+    ap.add_argument("--threads", type=ints, default=None, help="default: the process's cores")
+    ap.add_argument("--batches", type=ints, default=ints("1,8"))
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+
+    llm = LLM(
+        args.model, device=args.device, kv_cache_gib=args.kv_cache_gib,
+        gpu_expert_cache_gib=args.gpu_expert_cache_gib,
+        host_expert_cache_gib=args.host_expert_cache_gib, expert_zero_copy=True,
+        expert_cpu_fraction=1.0,
+    )  # fmt: skip
+    layers = llm.zero_copy
+    compute = layers[0].host_work.compute  # type: ignore[union-attr]
+    host_slots = layers[0].num_experts - layers[0].n_device
+    threads = args.threads or [compute.threads]
+    vocab = llm.config.vocab_size
+    rng = np.random.default_rng(0)
+
+    def sync() -> None:
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize(llm.device)
+
+    def timed(batch: int, tokens: int) -> float:
+        prompts = [rng.integers(100, vocab - 100, 32).tolist() for _ in range(batch)]
+        sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        sync()
+        t = time.perf_counter()
+        llm.generate(prompts, sp)
+        sync()
+        return time.perf_counter() - t
+
+    arms = [(f, n) for f in args.fractions for n in threads]
+    rates: dict[tuple[float, int, int], list[float]] = {}
+    for b in args.batches:  # warm-up: graphs of every batch captured, kernels compiled
+        timed(b, 1 + args.tokens)
+    for r in range(args.rounds):
+        for f, n in arms if r % 2 == 0 else reversed(arms):
+            sync()
+            for layer in layers:
+                layer.set_cpu_slots(round(f * host_slots))
+            compute.set_threads(n)
+            for b in args.batches:
+                full, first = timed(b, 1 + args.tokens), timed(b, 1)
+                rates.setdefault((f, n, b), []).append(b * args.tokens / (full - first))
+    print(f"{host_slots} host slots a layer of {layers[0].num_experts}; "
+          f"{args.tokens} tokens, {args.rounds} rounds")  # fmt: skip
+    print("\n| CPU share of host slots | threads | batch | decode tok/s (median) | min-max |")
+    print("|---|---|---|---|---|")
+    for (f, n, b), v in rates.items():
+        print(f"| {f:g} | {n} | {b} | {statistics.median(v):.1f} | {min(v):.1f}-{max(v):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
