@@ -91,9 +91,9 @@ __attribute__((target("avx2"))) static inline void nibble_words_vec(const uint8_
 }
 #endif
 
-/* Where the CPU has AVX2 and FMA, the integer dot products and the per-block float arithmetic
- * run 8 lanes at a time (each lane's operations are the scalar code's, so the bits are the
- * same); else the portable scalar code. -1: not yet asked. */
+/* Where the CPU has AVX2, FMA and F16C, the integer dot products and the per-block float
+ * arithmetic run 8 lanes at a time (each lane's operations are the scalar code's, so the bits
+ * are the same); else the portable scalar code. -1: not yet asked. */
 static int avx2_on = -1;
 
 /* Tests: 1 runs the portable scalar code even where AVX2 is present, 0 the default. */
@@ -104,7 +104,10 @@ static int use_avx2(void) {
     int on = avx2_on;
     if (on < 0) {
         __builtin_cpu_init();
-        on = avx2_on = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+        on = avx2_on = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                               __builtin_cpu_supports("f16c")
+                           ? 1
+                           : 0;
     }
     return on;
 #else
@@ -220,15 +223,28 @@ __attribute__((target("avx2"))) static void scales_mins_avx2(const uint8_t *q, f
 }
 #endif
 
+#ifdef HAVE_AVX2_PATH
+/* f16_to_f32 of two halves at once by the F16C instruction (exact, subnormals included). */
+__attribute__((target("f16c"))) static void f16_pair_f16c(const uint8_t *p, float *a,
+                                                          float *b) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)w));
+    *a = _mm_cvtss_f32(f);
+    *b = _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1));
+}
+#endif
+
 static void q4_k_head(const uint8_t *blk, q4k_head *hd) {
-    hd->d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
-    hd->dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8)));
 #ifdef HAVE_AVX2_PATH
     if (use_avx2()) {
+        f16_pair_f16c(blk, &hd->d, &hd->dmin);
         scales_mins_avx2(blk + 4, hd->sc, hd->mn);
         return;
     }
 #endif
+    hd->d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+    hd->dmin = f16_to_f32((uint16_t)(blk[2] | (blk[3] << 8)));
     for (int s = 0; s < 8; s++) {
         scale_min(blk + 4, s, &hd->sc[s], &hd->mn[s]);
     }
@@ -317,23 +333,43 @@ static void parts_q4_k(const uint8_t *row, int sb, int groups, const int8_t *xq,
 }
 
 #ifdef HAVE_AVX2_PATH
-/* One level of tree_sum over n >= 16 values (v[i] = v[2i] + v[2i + 1]), 16 at a time: hadd
- * makes the same pairs' sums; the 64-bit permute puts them back in index order. */
-__attribute__((target("avx2"))) static void tree_level_avx2(float *v, int n) {
-    for (int i = 0; i < n / 16; i++) {
-        __m256 s = _mm256_hadd_ps(_mm256_loadu_ps(v + 16 * i), _mm256_loadu_ps(v + 16 * i + 8));
-        _mm256_storeu_ps(v + 8 * i, _mm256_castpd_ps(_mm256_permute4x64_pd(
-                                        _mm256_castps_pd(s), 0xD8)));
+/* The first three levels of tree_sum over n values (n a multiple of 32), in registers: v[j] =
+ * the tree sum of v[8j .. 8j + 7], for j < n / 8. Four runs of 8 at a time: hadd pairs
+ * neighbours within each 128-bit half (level 1), hadd again pairs those (level 2: each half now
+ * holds four runs' sums of 4), and the two halves added give level 3 in run order. */
+__attribute__((target("avx2"))) static void tree_runs_avx2(float *v, int n) {
+    for (int j = 0; j < n / 8; j += 4) {
+        const float *r = v + 8 * j;
+        __m256 a = _mm256_hadd_ps(_mm256_loadu_ps(r), _mm256_loadu_ps(r + 8));
+        __m256 b = _mm256_hadd_ps(_mm256_loadu_ps(r + 16), _mm256_loadu_ps(r + 24));
+        __m256 q = _mm256_hadd_ps(a, b); /* [lo4 of runs 0-3 | hi4 of runs 0-3] */
+        _mm_storeu_ps(v + j, _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
     }
+}
+
+/* The tree sum of m = 8 or 16 values: the same levels as tree_runs_avx2 over one or two runs
+ * (a second hadd of a vector with itself pairs the first's sums), then the two runs' sums. */
+__attribute__((target("avx2"))) static float tree_tail_avx2(const float *v, int m) {
+    __m256 a = _mm256_loadu_ps(v);
+    __m256 q = _mm256_hadd_ps(a, m == 16 ? _mm256_loadu_ps(v + 8) : a);
+    q = _mm256_hadd_ps(q, q); /* [a0-3, b0-3, a0-3, b0-3 | a4-7, b4-7, a4-7, b4-7] */
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+    return m == 8 ? _mm_cvtss_f32(r) : _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
 #endif
 
 /* mmvq.tree_sum over n (a power of two) values, in place. */
 static float tree_sum(float *v, int n) {
 #ifdef HAVE_AVX2_PATH
-    if (use_avx2()) {
-        for (; n >= 16; n >>= 1) {
-            tree_level_avx2(v, n);
+    if (use_avx2() && n % 32 == 0) {
+        tree_runs_avx2(v, n);
+        for (n /= 8; n > 16; n >>= 1) {
+            for (int i = 0; i < n / 2; i++) {
+                v[i] = v[2 * i] + v[2 * i + 1];
+            }
+        }
+        if (n >= 8) {
+            return tree_tail_avx2(v, n);
         }
     }
 #endif
@@ -343,6 +379,25 @@ static float tree_sum(float *v, int n) {
         }
     }
     return v[0];
+}
+
+#ifdef HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static void add8_avx2(float *acc, const float *step) {
+    _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(step)));
+}
+#endif
+
+/* acc[p] += step[p] for 8 slots (lane by lane: the same adds either way). */
+static void add8(float *acc, const float *step) {
+#ifdef HAVE_AVX2_PATH
+    if (use_avx2()) {
+        add8_avx2(acc, step);
+        return;
+    }
+#endif
+    for (int p = 0; p < 8; p++) {
+        acc[p] = acc[p] + step[p];
+    }
 }
 
 /* One row's sum: per K step of G groups, group j's 8 partials added to slots 8j .. 8j + 7
@@ -356,9 +411,7 @@ static float row_q4_k(const uint8_t *row, int groups, int G, const int8_t *xq, c
     for (int i = 0; i < groups; i += G) {
         for (int j = 0; j < G; j++) {
             parts_q4_k(row, i + j, groups, xq, xd, xs, step);
-            for (int p = 0; p < 8; p++) {
-                parts[8 * j + p] = parts[8 * j + p] + step[p];
-            }
+            add8(parts + 8 * j, step);
         }
     }
     return tree_sum(parts, 8 * G);
@@ -574,30 +627,35 @@ int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_
         return -1;
     }
     (void)threads;
+    /* one team for both phases (a fork and a join a call, the phases apart by the barrier at
+     * the end of the first loop) */
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(| : bad)
+#pragma omp parallel num_threads(threads) reduction(| : bad)
 #endif
-    for (int task = 0; task < n * up_blocks; task++) {
-        int i = task / up_blocks, b = task % up_blocks;
-        const int8_t *x = xq + (size_t)tok[i] * h;
-        const float *d = xd + (size_t)tok[i] * (h / 32), *s = xs + (size_t)tok[i] * (h / 32);
-        bad |= gate_up_q4_k((const uint8_t *)(uintptr_t)gate[i],
-                            (const uint8_t *)(uintptr_t)up[i], gu_row_bytes, h, 32 * b,
-                            32 * b + 32, up_g, x, d, s, hq + (size_t)i * f,
-                            hd + (size_t)i * (f / 32), hs + (size_t)i * (f / 32), NULL) != 0;
-    }
-    if (bad) {
-        return -1;
-    }
+    {
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic) num_threads(threads) reduction(| : bad)
+#pragma omp for schedule(dynamic)
 #endif
-    for (int task = 0; task < n * down_blocks; task++) {
-        int i = task / down_blocks, b = task % down_blocks;
-        int n1 = 64 * b + 64 < h ? 64 * b + 64 : h;
-        bad |= down_rows((const uint8_t *)(uintptr_t)down[i], down_row_bytes[i], q6[i], f, 64 * b,
-                         n1, down_g, hq + (size_t)i * f, hd + (size_t)i * (f / 32),
-                         hs + (size_t)i * (f / 32), wt[i], rows + (size_t)i * h) != 0;
+        for (int task = 0; task < n * up_blocks; task++) {
+            int i = task / up_blocks, b = task % up_blocks;
+            const int8_t *x = xq + (size_t)tok[i] * h;
+            const float *d = xd + (size_t)tok[i] * (h / 32);
+            const float *s = xs + (size_t)tok[i] * (h / 32);
+            bad |= gate_up_q4_k((const uint8_t *)(uintptr_t)gate[i],
+                                (const uint8_t *)(uintptr_t)up[i], gu_row_bytes, h, 32 * b,
+                                32 * b + 32, up_g, x, d, s, hq + (size_t)i * f,
+                                hd + (size_t)i * (f / 32), hs + (size_t)i * (f / 32), NULL) != 0;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic)
+#endif
+        for (int task = 0; task < n * down_blocks; task++) {
+            int i = task / down_blocks, b = task % down_blocks;
+            int n1 = 64 * b + 64 < h ? 64 * b + 64 : h;
+            bad |= down_rows((const uint8_t *)(uintptr_t)down[i], down_row_bytes[i], q6[i], f,
+                             64 * b, n1, down_g, hq + (size_t)i * f, hd + (size_t)i * (f / 32),
+                             hs + (size_t)i * (f / 32), wt[i], rows + (size_t)i * h) != 0;
+        }
     }
     return bad ? -1 : 0;
 }

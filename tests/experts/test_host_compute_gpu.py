@@ -37,7 +37,8 @@ def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
     layer_bytes, layers = probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
     del probe
     outs = []
-    for gpu_share, cpu_fraction in ((0.5, 0.5), (0.25, 1.0), (0.0, 0.5)):
+    placements = ((0.5, 0.5), (0.25, 1.0), (0.0, 0.5))
+    for gpu_share, cpu_fraction in placements:
         llm = hybrid(gpu_share, cpu_fraction, layer_bytes, layers)
         assert llm.engine.runner.graphs is not None and llm.model.supports_cuda_graphs
         got = [
@@ -47,5 +48,14 @@ def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
         compute = llm.zero_copy[0].host_work.compute
         assert compute.counters["assignments"] > 0
         outs.append(got)
-    assert outs[1] == outs[0]
-    assert outs[2] == outs[0]
+    for placement, got in zip(placements[1:], outs[1:]):
+        assert got == outs[0], first_difference(placement, got, outs[0])
+
+
+def first_difference(placement, got, want) -> str:
+    """Where `got` (a placement's tokens and logprobs per prompt) first leaves `want`."""
+    for p, ((tokens, lps), (want_tokens, want_lps)) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(zip(tokens, lps), zip(want_tokens, want_lps))):
+            if a != b:
+                return f"placement {placement}, prompt {p}, token {i}: {a} against {b}"
+    return f"placement {placement}: lengths differ"
