@@ -127,11 +127,14 @@ class LLM:
     the routing uses most to the device (`ZeroCopyExperts.rebalance`; 0: placement fixed at
     load); `expert_cpu_fraction` of each layer's host-placed experts are then computed by the
     host's cores (`expert_cpu_threads`; `experts.host_compute`) instead of read across the
-    host link. `weight_cache_gib` keeps bf16 copies of that many GiB of quantized
-    weights on a GPU (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip
-    dequantizing them: memory for prefill speed; decode and results are unchanged. On the CPU
-    it keeps copies in the model's dtype for every matmul (None, the default: up to
-    `CPU_WEIGHT_CACHE_GIB`; on a GPU None is 0); results keep their bits.
+    host link, and `expert_prefill_stage` keeps one layer's host tier of device memory (out of
+    `gpu_expert_cache_gib`) into which forwards of 64 tokens or more copy each layer's host
+    experts before reading them (`experts.zero_copy.ExpertStage`). `weight_cache_gib` keeps
+    bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
+    so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
+    results are unchanged. On the CPU it keeps copies in the model's dtype for every matmul
+    (None, the default: up to `CPU_WEIGHT_CACHE_GIB`; on a GPU None is 0); results keep their
+    bits.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class LLM:
         expert_rebalance_steps: int = 64,
         expert_cpu_fraction: float = 0.0,
         expert_cpu_threads: int | None = None,
+        expert_prefill_stage: bool = False,
         weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
@@ -191,13 +195,15 @@ class LLM:
             raise RequestError(f"expert_cpu_fraction must be in [0, 1], got {expert_cpu_fraction}")
         if expert_cpu_threads is not None and expert_cpu_threads < 1:
             raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
+        if expert_prefill_stage and not expert_zero_copy:
+            raise RequestError("expert_prefill_stage needs expert_zero_copy")
         if expert_zero_copy:
             # Device slots and pinned host memory, read in place (no streaming); hot experts
             # move to the device between steps (`rebalance_experts`).
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             self.zero_copy = attach_zero_copy(
                 self.model, float(gpu_expert_cache_gib), host_expert_cache_gib,
-                expert_cpu_fraction, expert_cpu_threads,
+                expert_cpu_fraction, expert_cpu_threads, expert_prefill_stage,
             )  # fmt: skip
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.

@@ -9,11 +9,11 @@ own bandwidth, so splitting the host-placed experts between the link and the cor
 marks move with the experts when promotion swaps them); every "mmvq" launch of the layer then
 takes a `LayerHostWork` (`kernels.moe_mmvq.HostWork`):
 
-1. `begin`, after x's q8 rounding is queued: the routing (ids, weights) and the q8 activations
-   are copied into pinned buffers on the current stream. A side stream waits for them, runs
-   `experts.c`'s `host_layer` as a CUDA host function (`cuLaunchHostFunc`): it computes every
-   assignment whose expert is marked (`native.moe_host_rows`, the kernels' operation order:
-   the GPU's bits) into a pinned buffer, which the side stream then copies to the device.
+1. `begin`, after x's q8 rounding is queued: a side stream waits for it, copies the routing
+   (ids, weights) and the q8 activations into pinned buffers and runs `experts.c`'s
+   `host_layer` as a CUDA host function (`cuLaunchHostFunc`): it computes every assignment
+   whose expert is marked (`native.moe_host_rows`, the kernels' operation order: the GPU's
+   bits) into a pinned buffer, which the side stream then copies to the device.
    Meanwhile the current stream runs the gate/up and down of the experts the GPU reads, the
    down kernel storing each expert's sums apart.
 2. `rows`, after the down launch is queued: the current stream waits for the side stream; a
@@ -176,17 +176,27 @@ class LayerHostWork:
             raise ValueError(f"host experts take at most {MAX_ASSIGNMENTS} assignments a launch")
         b = self.compute.buffers(xa.q.shape[1] * 4)
         args = self._args_for(t, k, b)
-        b["ids"][:a].view(t, k).copy_(topk_ids, non_blocking=True)
-        b["weights"][:a].view(t, k).copy_(topk_weights, non_blocking=True)
-        for name, src in (("xq", xa.q), ("xd", xa.d), ("xs", xa.s)):
-            b[name][:t].copy_(src, non_blocking=True)
         stream = self.compute.stream
-        if stream is not None:
+        if stream is None:
+            self._read_back(b, topk_ids, topk_weights, xa)
+        else:  # the copies on the side stream too: the current one goes on to the gate/up
             stream.wait_stream(torch.cuda.current_stream(self.compute.device))
             with torch.cuda.stream(stream):
+                self._read_back(b, topk_ids, topk_weights, xa)
                 self.compute.launch(args)
                 b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
         self._pending = (args, b, a)
+
+    @staticmethod
+    def _read_back(b: dict[str, torch.Tensor], ids: torch.Tensor, weights: torch.Tensor,
+                   xa: Q8Act) -> None:  # fmt: skip
+        """The routing and q8 activations into the pinned buffers, on the current stream (the
+        sources are freed only after the caller's stream has waited for this one: `rows`)."""
+        t, k = ids.shape
+        b["ids"][: t * k].view(t, k).copy_(ids, non_blocking=True)
+        b["weights"][: t * k].view(t, k).copy_(weights, non_blocking=True)
+        for name, src in (("xq", xa.q), ("xd", xa.d), ("xs", xa.s)):
+            b[name][:t].copy_(src, non_blocking=True)
 
     def rows(self) -> torch.Tensor:
         if self._pending is None:

@@ -27,6 +27,12 @@ With `n_cpu`, the first `n_cpu` host slots of each layer are computed by the hos
 instead of read across the link (`experts.host_compute`: CUDA host functions in the stream, the
 GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
 
+With a prefill stage (`ExpertStage`, `prefill_stage=True` in `attach_zero_copy`), a forward of
+at least `STAGE_MIN_TOKENS` tokens first copies the layer's whole host tier into device memory
+shared by the layers (one layer's host tier; DMA at the link's full rate) and reads the host
+experts there (`stage_addr`) instead of across the link once per chunk of 32 tokens: the same
+kernels and launch shape, so the same bits. The stage's bytes come out of the device budget.
+
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
 `read_counts()` (reads between two rebalances count for the tier the expert was in: "device",
 "host" across the link, "cpu" computed by the host); swaps and the bytes they copied.
@@ -59,6 +65,39 @@ NOISE_SIGMAS = 3.0
 # `expert_rebalance_steps` steps): routing reuse is cyclic over a few hundred tokens, so a
 # few windows of memory.
 HEAT_DECAY = 0.5
+# Tokens from which a forward copies the host tier to the prefill stage. The kernels read the
+# host experts once per chunk of 32 tokens (256 assignments), so from two chunks up a copy of
+# the tier at the link's DMA rate moves fewer bytes than the chunks' reads, and the chunks then
+# read device memory.
+STAGE_MIN_TOKENS = 64
+
+
+class ExpertStage:
+    """Device memory for one layer's host tier, shared by the layers of a model (they run one
+    after another): per weight kind a byte buffer as large as the largest layer's host stack
+    of that kind (a quant mix gives layers different row sizes), which `ZeroCopyExperts` fills
+    by one copy per kind before a long forward. Copies and reads are all on the current
+    stream, so a layer's copy waits for the previous layer's reads."""
+
+    def __init__(self, nbytes: Sequence[int], device: torch.device):
+        self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in nbytes]
+        # layer fills and bytes copied, counted on the device: a prefill graph's replays count
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def view(self, kind: int, host: torch.Tensor) -> torch.Tensor:
+        """The stage's memory for a layer's host stack `host` (uint8 [S_h, rows, row bytes])."""
+        return self.buffers[kind][: host.numel()].view(host.shape)
+
+    def fill(self, host_stacks: Sequence[torch.Tensor]) -> None:
+        """Copy a layer's host tier (pinned) into the stage, queued on the current stream."""
+        for kind, host in enumerate(host_stacks):
+            self.view(kind, host).copy_(host, non_blocking=True)
+        self._counts.add_(self._counts.new_tensor([1, sum(h.numel() for h in host_stacks)]))
+
+    def counts(self) -> tuple[int, int]:
+        """(layer fills, bytes copied into the stage) so far (one device sync)."""
+        copies, nbytes = self._counts.tolist()
+        return copies, nbytes
 
 
 def host_computable(stacks: Sequence[QTensor]) -> bool:
@@ -115,8 +154,11 @@ class ZeroCopyExperts:
             raise UnsupportedError("expert byte sizes are not multiples of 16: no zero-copy")
         self.expert_addr = torch.tensor(addr, dtype=torch.int64, device=self.device)
         self._reads = torch.zeros(e, dtype=torch.int64, device=self.device)  # [E] per expert
+        self._staged = torch.zeros(e, dtype=torch.int64, device=self.device)  # [E] in staged
         self._seen = [0] * e  # `_reads` at the last rebalance
-        self._tier_reads = {"device": 0, "host": 0, "cpu": 0}  # reads to the last rebalance
+        self._staged_seen = [0] * e  # `_staged` at the last rebalance
+        # reads to the last rebalance per tier ("stage": host experts read from the stage)
+        self._tier_reads = {"device": 0, "host": 0, "cpu": 0, "stage": 0}
         self.heat = [0.0] * e
         self.swaps = 0
         # Types, shapes and row strides for the kernel (a slot of each stack, S = 1), on the
@@ -141,6 +183,8 @@ class ZeroCopyExperts:
         self._host_addr = np.zeros((3, e), dtype=np.uint64)  # [3, E] host-placed experts' bytes
         for i in range(e):
             self._set_host_addr(i)
+        self.stage: ExpertStage | None = None
+        self.stage_addr: torch.Tensor | None = None  # [3, E]: expert_addr, the stage for host
         self.host_work: LayerHostWork | None = None
         if n_cpu:
             from moestream.kernels.moe_mmvq import HYBRID_CONFIG, down_groups, up_groups
@@ -151,6 +195,29 @@ class ZeroCopyExperts:
                 up_groups(HYBRID_CONFIG, gate.shape[2]),
                 down_groups(HYBRID_CONFIG, gate.shape[1]),
             )
+
+    def attach_stage(self, stage: ExpertStage) -> None:
+        """Read host experts from `stage` in forwards of `STAGE_MIN_TOKENS` tokens or more
+        (module docstring); `stage_addr` follows promotions like `expert_addr`."""
+        self.stage = stage
+        self.stage_addr = torch.tensor(
+            [[self._stage_address(k, e) for e in range(self.num_experts)] for k in range(3)],
+            dtype=torch.int64, device=self.device,
+        )  # fmt: skip
+
+    def _stage_address(self, kind: int, e: int) -> int:
+        if self._on_device[e] or self.stage is None:
+            return self._slot_data(kind, e).data_ptr()
+        return self.stage.view(kind, self._host[kind].data)[self._slot[e]].data_ptr()
+
+    def addresses(self, tokens: int) -> tuple[torch.Tensor, bool]:
+        """(the address table for a forward of `tokens` tokens, whether it is the stage's):
+        from `STAGE_MIN_TOKENS` up, with a stage, the layer's host tier is copied into it now
+        (queued on the current stream) and read there; else `expert_addr`."""
+        if self.stage is None or self.stage_addr is None or tokens < STAGE_MIN_TOKENS:
+            return self.expert_addr, False
+        self.stage.fill([w.data for w in self._host])
+        return self.stage_addr, True
 
     def set_cpu_slots(self, n_cpu: int) -> None:
         """Mark the first `n_cpu` host slots for the host's cores instead of the construction's
@@ -191,20 +258,26 @@ class ZeroCopyExperts:
         )
 
     # ---- promotion -------------------------------------------------------------------------
-    def rebalance(self, reads: Sequence[int] | None = None) -> int:
+    def rebalance(
+        self, reads: Sequence[int] | None = None, staged: Sequence[int] | None = None
+    ) -> int:
         """Fold the reads since the last call into the per-tier counts and each expert's heat,
         then swap hot host-placed experts with cold device-placed ones (module docstring).
-        Returns the number of swaps. `reads`: the read counters' values, if the caller has read
-        them (`rebalance_all` reads every layer's in one sync); else one device sync."""
+        Returns the number of swaps. `reads`, `staged`: the read counters' values (forwards
+        without and with the stage), if the caller has read them (`rebalance_all` reads every
+        layer's in one sync); else one device sync."""
         # The read-back is a device sync (here or in `rebalance_all`): every queued step, its host
         # functions included, has run, so `_swap` may rewrite the host tables that later host
         # functions read (they are not stream-ordered; the expert bytes and the address table
         # are).
-        reads = self._reads.tolist() if reads is None else list(reads)
-        for e, (now, seen) in enumerate(zip(reads, self._seen)):
-            self._tier_reads[self._tier(e)] += now - seen
-            self.heat[e] = HEAT_DECAY * self.heat[e] + (now - seen)
-        self._seen = reads
+        if reads is None or staged is None:
+            reads, staged = torch.stack([self._reads, self._staged]).tolist()
+        reads, staged = list(reads), list(staged)
+        for e, (d, s) in enumerate(self._new_reads(reads, staged)):
+            self._tier_reads[self._tier(e)] += d
+            self._tier_reads["device" if self._on_device[e] else "stage"] += s
+            self.heat[e] = HEAT_DECAY * self.heat[e] + d + s
+        self._seen, self._staged_seen = reads, staged
         host = sorted((e for e in range(len(reads)) if not self._on_device[e]), key=self._hotter)
         device = sorted((e for e in range(len(reads)) if self._on_device[e]), key=self._colder)
         swaps = 0
@@ -236,6 +309,8 @@ class ZeroCopyExperts:
         for e in (out, into):
             for k in range(3):
                 self.expert_addr[k, e] = self._slot_data(k, e).data_ptr()
+                if self.stage_addr is not None:
+                    self.stage_addr[k, e] = self._stage_address(k, e)
             self._views[e] = self._view(e)
             self.host_marked[e] = self._computed_by_host(e)
             self.host_marks[e] = -1 if self.host_marked[e] else 0
@@ -258,18 +333,27 @@ class ZeroCopyExperts:
         return self.templates
 
     # ---- counters ----------------------------------------------------------------------------
-    def count(self, ids: torch.Tensor) -> None:
+    def count(self, ids: torch.Tensor, staged: bool = False) -> None:
         """Add the routed experts' reads (ids [T, k]) to the per-expert device-side counts (two
-        small launches, no sync)."""
+        small launches, no sync); `staged`: a forward that read the host tier from the stage."""
         flat = ids.reshape(-1)
-        self._reads.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+        counts = self._staged if staged else self._reads
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+    def _new_reads(self, reads: Sequence[int], staged: Sequence[int]) -> Iterator[tuple[int, int]]:
+        """(reads, staged reads) of each expert since the last rebalance."""
+        for now, seen, s_now, s_seen in zip(reads, self._seen, staged, self._staged_seen):
+            yield now - seen, s_now - s_seen
 
     def read_counts(self) -> dict[str, int]:
         """Expert reads so far: {"device": n, "host": n (across the link), "cpu": n (computed
-        by the host)} (one device sync)."""
+        by the host), "stage": n (host experts read from the prefill stage)} (one device
+        sync)."""
         counts = dict(self._tier_reads)
-        for e, (now, seen) in enumerate(zip(self._reads.tolist(), self._seen)):
-            counts[self._tier(e)] += now - seen
+        reads, staged = torch.stack([self._reads, self._staged]).tolist()
+        for e, (d, s) in enumerate(self._new_reads(reads, staged)):
+            counts[self._tier(e)] += d
+            counts["device" if self._on_device[e] else "stage"] += s
         return counts
 
     def _tier(self, e: int) -> str:
@@ -294,34 +378,42 @@ def rebalance_all(providers: Sequence[ZeroCopyExperts]) -> int:
     """`rebalance` every layer, their read counters fetched in one device sync; the swaps."""
     if not providers:
         return 0
-    reads = torch.stack([p._reads for p in providers]).tolist()
-    return sum(p.rebalance(r) for p, r in zip(providers, reads, strict=True))
+    rows = torch.stack([p._reads for p in providers] + [p._staged for p in providers]).tolist()
+    n = len(providers)
+    return sum(p.rebalance(rows[i], rows[n + i]) for i, p in enumerate(providers))
 
 
 def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float | int]:
     """Reads per tier over all layers so far, the share served from the device, the bytes
     that crossed the host link for reads, and the swaps of `rebalance` with the bytes they
-    copied (both experts of a swap cross the link; one device sync per layer)."""
-    device = host = cpu = host_bytes = cpu_bytes = swaps = swap_bytes = 0
+    copied (both experts of a swap cross the link; one device sync per layer). The host link's
+    bytes count the reads across it and the copies into the prefill stage."""
+    device = host = cpu = staged = host_bytes = cpu_bytes = swaps = swap_bytes = 0
     for p in providers:
         c = p.read_counts()
         device += c["device"]
         host += c["host"]
         cpu += c["cpu"]
+        staged += c["stage"]
         host_bytes += c["host"] * p.expert_bytes
         cpu_bytes += c["cpu"] * p.expert_bytes
         swaps += p.swaps
         swap_bytes += 2 * p.swaps * p.expert_bytes
-    total = device + host + cpu
+    total = device + host + cpu + staged
     compute = next((p.host_work.compute for p in providers if p.host_work), None)
+    stage = next((p.stage for p in providers if p.stage), None)
+    stage_copies, stage_bytes = stage.counts() if stage else (0, 0)
     return {
         "cpu_compute_seconds": compute.counters["compute_s"] if compute else 0.0,
         "device_reads": device,
         "host_reads": host,
         "cpu_reads": cpu,
+        "stage_reads": staged,
         "device_read_share": device / total if total else 0.0,
-        "host_link_bytes": host_bytes,
+        "host_link_bytes": host_bytes + stage_bytes,
         "cpu_bytes": cpu_bytes,
+        "stage_bytes": stage_bytes,
+        "stage_copies": stage_copies,
         "swaps": swaps,
         "swap_bytes": swap_bytes,
     }
@@ -341,6 +433,9 @@ def zero_copy_metric_families(
         "swaps": "Host-placed experts promoted to the device (a colder one demoted each)",
         "swap_bytes": "Expert bytes copied between the tiers by promotions",
         "cpu_compute_seconds": "Time the host spent computing experts",
+        "stage_reads": "Expert reads of host-placed experts from the prefill stage",
+        "stage_bytes": "Expert bytes copied into the prefill stage (over the host link)",
+        "stage_copies": "Layer host tiers copied into the prefill stage",
     }
     for name, doc in docs.items():
         yield f"moestream_expert_zero_copy_{name}", doc, "counter", float(snapshot[name])
@@ -358,13 +453,15 @@ def attach_zero_copy(
     host_expert_cache_gib: float | None = None,
     cpu_fraction: float = 0.0,
     cpu_threads: int | None = None,
+    prefill_stage: bool = False,
 ) -> list[ZeroCopyExperts]:
     """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
     stacks are host views of the file) by `ZeroCopyExperts` with as many experts per layer on
     the device as `gpu_expert_cache_gib` holds. The rest go to pinned host memory, which must
     fit `host_expert_cache_gib` when given (CapacityError otherwise). `cpu_fraction` of those
     (rounded to whole experts per layer) are computed by the host's cores (`cpu_threads`,
-    default all), the others read across the host link."""
+    default all), the others read across the host link. `prefill_stage`: the budget also holds
+    an `ExpertStage` (one layer's host tier) for long forwards (CapacityError if it cannot)."""
     if not 0.0 <= cpu_fraction <= 1.0:
         raise ValueError(f"cpu_fraction must be in [0, 1], got {cpu_fraction}")
     moes = list(model.moe_layers())  # type: ignore[attr-defined]
@@ -373,7 +470,21 @@ def attach_zero_copy(
     stacks = [m.experts.stacked() for m in moes]
     per_expert = sum(w.data[0].numel() for w in stacks[0])
     e = stacks[0][0].shape[0]
-    n_device = min(e, int(gpu_expert_cache_gib * 2**30) // (per_expert * len(moes)))
+    budget = int(gpu_expert_cache_gib * 2**30)
+    n_device = min(e, budget // (per_expert * len(moes)))
+    if prefill_stage:  # the stage holds the e - n experts of the largest layer's host tier
+        staged = max(sum(w.data[0].numel() for w in st) for st in stacks)
+
+        def need(n: int) -> int:
+            return n * len(moes) * per_expert + (e - n) * staged
+
+        while n_device and need(n_device) > budget:
+            n_device -= 1
+        if n_device < e and need(n_device) > budget:
+            raise CapacityError(
+                f"the prefill stage needs {e * per_expert / 2**30:.2f} GiB of "
+                f"--gpu-expert-cache-gib (one layer's experts), more than {gpu_expert_cache_gib:g}"
+            )
     host_bytes = (e - n_device) * per_expert * len(moes)
     if host_expert_cache_gib is not None and host_bytes > host_expert_cache_gib * 2**30:
         raise CapacityError(
@@ -395,4 +506,9 @@ def attach_zero_copy(
         provider = ZeroCopyExperts(st, n_device, device, n_cpu, compute)
         moe.experts = provider
         providers.append(provider)
+    if prefill_stage and n_device < e:
+        largest = [max(p._host[k].data.numel() for p in providers) for k in range(3)]
+        stage = ExpertStage(largest, torch.device(device))
+        for provider in providers:
+            provider.attach_stage(stage)
     return providers

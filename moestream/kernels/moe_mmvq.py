@@ -8,10 +8,12 @@ Three launches: x rounded to q8 blocks (`mmvq.quantize_q8`, or the caller's); on
 arrive adding the partials in split order and fusing SiLU and h's q8 rounding
 (`_gate_up_mmvq_kernel`); then one program per (token, block of H rows) that walks the token's
 k experts a few at a time (scalar ids and pointers), routing weight folded into the block
-scales, written straight into out [T, H] (`_down_mmvq_kernel`). Experts are found through the
-device-side `expert_slot` table or a [3, E] table of byte addresses. Launch variants in
-`MoeMmvqConfig`; every one keeps a token's bits independent of the batch (one build at every T,
-fixed-order sums, no atomics in the sums). `moe_mmvq_ref` is the torch reference.
+scales, written straight into out [T, H] (`_down_mmvq_kernel`; with experts computed by the
+host, each expert's sums apart and a fourth launch adding them, `_add_rows_kernel`). Experts
+are found through the device-side `expert_slot` table or a [3, E] table of byte addresses.
+Launch variants in `MoeMmvqConfig`; every one keeps a token's bits independent of the batch
+(one build at every T, fixed-order sums, no atomics in the sums). `moe_mmvq_ref` is the torch
+reference.
 
 Letters: T tokens, H hidden, F expert FFN, E experts, S weight slots, k experts per token,
 A = T*k assignments.
@@ -57,7 +59,7 @@ class HostWork(Protocol):
         the routing and the activations back (the GPU goes on meanwhile)."""
 
     def rows(self) -> torch.Tensor:
-        """Called after the gate/up launch is queued: the host experts' weighted down sums,
+        """Called after the down launch is queued: the host experts' weighted down sums,
         float32 [A, H] on the device (rows of other assignments are not read)."""
 
 

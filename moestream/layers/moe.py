@@ -9,7 +9,7 @@ Letters: T tokens, H hidden size, F expert FFN size, E experts, k experts used p
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -229,14 +229,21 @@ class SparseMoE:
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
         resident (the provider's own table; no host sync), else the per-expert path. The fused
         call takes the q8 rounding of x that its norm attached (`norm.q8_of`), if any."""
-        addr = getattr(self.experts, "expert_addr", None)  # zero-copy placement
-        if addr is not None:
-            self.experts.count(ids)  # type: ignore[attr-defined]
-            if fused_moe_path(x):
-                gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
-                work = self.experts.host_work  # type: ignore[attr-defined]
-                marks = self.experts.host_marks if work else None  # type: ignore[attr-defined]
-                return ops.moe_forward_addr(x, ids, weights, gate, up, down, addr, work, marks)
+        zero_copy = getattr(self.experts, "expert_addr", None) is not None
+        if zero_copy:
+            experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`
+            if not fused_moe_path(x):
+                experts.count(ids)
+            else:  # long forwards read the host tier from the prefill stage, if there is one
+                addr, staged = experts.addresses(x.shape[0])
+                experts.count(ids, staged)
+                gate, up, down = experts.stacked()
+                work = None if staged else experts.host_work
+                marks = experts.host_marks if work else None
+                return ops.moe_forward_addr(
+                    x, ids, weights, gate, up, down, addr, work, marks,
+                    reproducible=experts.host_work is not None,
+                )  # fmt: skip
         elif expert_slot is None and fused_moe_path(x) and self.resident:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:

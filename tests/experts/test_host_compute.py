@@ -24,7 +24,11 @@ except native.NativeUnavailable as exc:
 
 from moestream.errors import UnsupportedError  # noqa: E402
 from moestream.experts.host_compute import HostCompute  # noqa: E402
-from moestream.experts.zero_copy import ZeroCopyExperts  # noqa: E402
+from moestream.experts.zero_copy import (  # noqa: E402
+    STAGE_MIN_TOKENS,
+    ExpertStage,
+    ZeroCopyExperts,
+)
 from moestream.kernels.exact import exact_interpreter  # noqa: E402
 from moestream.kernels.moe import fused_moe  # noqa: E402
 from moestream.kernels.moe_mmvq import HYBRID_CONFIG  # noqa: E402
@@ -73,7 +77,7 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         after = hybrid(layer, x, ids, weights)
         assert compute.counters["assignments"] == 4 + 3  # ids 0, 2, 2
         layer.count(ids)
-        assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3}
+        assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3, "stage": 0}
         layer.set_cpu_slots(3)  # every host slot the host's (experts 0, 2, 3); fewer threads
         compute.set_threads(1)
         assert layer.host_marked.tolist() == [1, 0, 1, 1]
@@ -81,8 +85,16 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         assert {args.threads for args in layer.host_work.launch_args()} == {1}
         remarked = hybrid(layer, x, ids, weights)
         assert compute.counters["assignments"] == 7 + 4  # ids 0, 3, 2, 2 (1 on the device)
+        # a long forward's launch: the host tier copied to a prefill stage and read there, no
+        # host work (`layers.moe.SparseMoE.forward_routed`), the same launch shape
+        layer.attach_stage(ExpertStage([w.data.numel() for w in layer._host], torch.device("cpu")))
+        addr, on_stage = layer.addresses(STAGE_MIN_TOKENS)
+        assert on_stage and not torch.equal(addr, layer.expert_addr)
+        staged = fused_moe(x, ids, weights, *layer.stacked(), layer.host_marks, method="mmvq",
+                           mmvq_cfg=HYBRID_CONFIG, expert_addr=addr)  # fmt: skip
+        assert compute.counters["assignments"] == 11
     assert np.abs(want.numpy()).max() > 0
-    for out in (got, after, remarked):
+    for out in (got, after, remarked, staged):
         assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="n_cpu"):
         layer.set_cpu_slots(4)

@@ -59,3 +59,34 @@ def first_difference(placement, got, want) -> str:
             if a != b:
                 return f"placement {placement}, prompt {p}, token {i}: {a} against {b}"
     return f"placement {placement}: lengths differ"
+
+
+def test_prefill_stage_keeps_the_text() -> None:
+    """A prompt long enough for the prefill stage (`experts.zero_copy.ExpertStage`): its
+    forward reads the host tier from device memory with the same launch shape, so tokens and
+    logprobs equal those of the same placement without the stage (host work and link alike)."""
+    from moestream import native
+    from moestream.experts.zero_copy import STAGE_MIN_TOKENS, zero_copy_snapshot
+
+    try:
+        native.library()
+    except native.NativeUnavailable as exc:
+        pytest.skip(f"native experts unavailable: {exc}")
+    probe = hybrid(0.0, 0.0, 0, 1)
+    layer_bytes, layers = probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
+    del probe
+    prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 6
+    for cpu_fraction in (0.5, 0.0):
+        outs = []
+        for stage in (False, True):
+            llm = LLM(
+                DEMO_MODEL, device="cuda", max_model_len=512, kv_cache_gib=0.25,
+                gpu_expert_cache_gib=0.5 * layer_bytes * layers / 2**30,
+                host_expert_cache_gib=1.0, expert_zero_copy=True,
+                expert_cpu_fraction=cpu_fraction, expert_prefill_stage=stage,
+            )  # fmt: skip
+            assert len(llm.tokenizer.encode(prompt)) >= STAGE_MIN_TOKENS
+            (out,) = llm.generate([prompt], GREEDY)
+            outs.append((list(out.token_ids), [lp.logprob for lp in out.logprobs]))
+            assert (zero_copy_snapshot(llm.zero_copy)["stage_copies"] > 0) == stage
+        assert outs[1] == outs[0], first_difference((cpu_fraction, "stage"), outs[1:], outs[:1])

@@ -119,8 +119,9 @@ def test_bench_experts_section_reports_zero_copy_reads() -> None:
     assert data["budgets"]["device"] == 0 and data["budgets"]["host"] > 0
     assert c["swaps"] == c["swap_bytes"] == 0  # no device slot to promote into
     assert c["cpu_reads"] == c["cpu_bytes"] == 0 and c["cpu_compute_seconds"] == 0.0
+    assert c["stage_reads"] == c["stage_bytes"] == c["stage_copies"] == 0  # no stage
     head, rows = ExpertsSection().table(data)
-    assert len(rows) == 9
+    assert len(rows) == 12
 
 
 def quarter_on_device(rebalance: int) -> LLM:
@@ -193,19 +194,93 @@ def test_rebalance_swaps_by_heat_with_hysteresis() -> None:
     p = zc.ZeroCopyExperts(stacks, 2, "cpu")  # experts 0, 1 on the device
     before = [tuple(w.data.clone() for w in p.weights(i)) for i in range(e)]
     p._reads += torch.tensor([10, 1, 0, 2, 40, 11])  # 4 and 5 are hot, 0 is warm
-    assert p.read_counts() == {"device": 11, "host": 53, "cpu": 0}
+    assert p.read_counts() == {"device": 11, "host": 53, "cpu": 0, "stage": 0}
     assert p.rebalance() == 1  # 4 replaces 1; 5 (11) is not 1.25 x 10 + 1 hotter than 0
     assert sorted(i for i in range(e) if p._on_device[i]) == [0, 4]
     check_placement(p)
     for i in range(e):
         assert all(torch.equal(a, w.data) for a, w in zip(before[i], p.weights(i)))
     p._reads += torch.tensor([0, 0, 0, 0, 5, 0])
-    assert p.read_counts() == {"device": 16, "host": 53, "cpu": 0}  # 4's new reads on the device
+    assert p.read_counts() == {"device": 16, "host": 53, "cpu": 0, "stage": 0}  # 4 on the device
     assert p.rebalance() == 0 and p.swaps == 1
     # heat now 5, 0.5, 0, 1, 25, 5.5; 3 gains 14 reads: clearly hotter than 0 (heat 2.5) by the
     # factor, but 15 - 2.5 is within 3 standard deviations of count noise (sqrt(17.5) * 3)
     p._reads += torch.tensor([0, 0, 0, 14, 0, 0])
     assert p.rebalance() == 0
+
+
+def test_prefill_stage_holds_the_host_tier_and_follows_promotions() -> None:
+    """`ExpertStage`: a long forward copies the layer's host tier into the stage and reads it
+    through `stage_addr` (device experts where they are, host experts in the stage); a swap
+    rewrites both address tables; the stage's reads count apart from the link's."""
+    from moestream.experts import zero_copy as zc
+
+    e = 6
+    g = torch.Generator().manual_seed(1)
+    stacks = [
+        QTensor(
+            torch.randint(0, 255, (e, 8, 34), generator=g, dtype=torch.uint8),
+            GGMLQuantizationType.Q8_0,
+            (e, 8, 32),
+        )  # fmt: skip
+        for _ in range(3)
+    ]
+    p = zc.ZeroCopyExperts(stacks, 2, "cpu")  # experts 0, 1 on the device
+    original = [w.data.clone() for w in stacks]  # (the device tier is a view of them here)
+    stage = zc.ExpertStage([w.data.numel() for w in p._host], torch.device("cpu"))
+    p.attach_stage(stage)
+    short, staged = p.addresses(zc.STAGE_MIN_TOKENS - 1)
+    assert short is p.expert_addr and not staged and stage.counts() == (0, 0)
+    addr, staged = p.addresses(zc.STAGE_MIN_TOKENS)
+    assert staged and stage.counts() == (1, p.nbytes["host"])
+
+    def check_stage() -> None:
+        for i in range(e):
+            for k in range(3):
+                where = int(addr[k, i])
+                if p._on_device[i]:
+                    assert where == int(p.expert_addr[k, i])
+                else:
+                    staged = stage.view(k, p._host[k].data)[p._slot[i]]
+                    assert where == staged.data_ptr()
+                    assert torch.equal(staged, original[k][i])
+
+    check_stage()
+    p._reads += torch.tensor([0, 0, 0, 0, 40, 0])
+    assert p.rebalance() == 1  # 4 replaces 0 on the device
+    addr, _ = p.addresses(zc.STAGE_MIN_TOKENS)  # the stage refilled: 0 now in a host slot
+    check_stage()
+    p.count(torch.tensor([[4, 0]]), staged=True)
+    assert p.read_counts() == {"device": 1, "host": 40, "cpu": 0, "stage": 1}
+    snap = zc.zero_copy_snapshot([p])
+    assert snap["stage_reads"] == 1 and snap["stage_copies"] == 2
+    assert snap["host_link_bytes"] == 40 * p.expert_bytes + 2 * p.nbytes["host"]
+
+
+def test_prefill_stage_comes_out_of_the_device_budget(resident: LLM) -> None:
+    probe = zero_copy(1e-9)
+    per_layer = probe.zero_copy[0].nbytes["host"]  # all experts of one layer, in bytes
+    experts, layers = probe.zero_copy[0].num_experts, len(probe.zero_copy)
+    budget = per_layer * layers // 2  # half the experts without a stage
+    llm = LLM(
+        DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=budget / 2**30,
+        host_expert_cache_gib=1.0, expert_zero_copy=True, expert_prefill_stage=True,
+    )  # fmt: skip
+    # the most device experts a layer with which they and the stage (the largest layer's host
+    # tier: the quant mix gives layers different sizes) fit the budget
+    per_expert = probe.zero_copy[0].expert_bytes
+    largest = max(p.expert_bytes for p in probe.zero_copy)
+    fits = [n for n in range(experts + 1)
+            if n * layers * per_expert + (experts - n) * largest <= budget]  # fmt: skip
+    assert {p.n_device for p in llm.zero_copy} == {max(fits)} and max(fits) < experts // 2
+    assert all(p.stage is llm.zero_copy[0].stage is not None for p in llm.zero_copy)
+    assert run(llm) == run(resident)  # the CPU takes the reference path: tokens unchanged
+    with pytest.raises(CapacityError, match="prefill stage"):
+        LLM(DEMO_MODEL, device="cpu", gpu_expert_cache_gib=per_layer / 2 / 2**30,
+            host_expert_cache_gib=1.0, expert_zero_copy=True,
+            expert_prefill_stage=True)  # fmt: skip
+    with pytest.raises(RequestError, match="expert_prefill_stage"):
+        LLM(DEMO_MODEL, device="cpu", expert_prefill_stage=True)
 
 
 def test_uniform_routing_causes_almost_no_swaps() -> None:
