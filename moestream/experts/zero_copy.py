@@ -472,8 +472,8 @@ def attach_zero_copy(
     e = stacks[0][0].shape[0]
     budget = int(gpu_expert_cache_gib * 2**30)
     n_device = min(e, budget // (per_expert * len(moes)))
-    if prefill_stage:  # the stage holds the e - n experts of the largest layer's host tier
-        staged = max(sum(w.data[0].numel() for w in st) for st in stacks)
+    if prefill_stage:  # the stage holds e - n experts of each kind's largest layer
+        staged = sum(max(st[k].data[0].numel() for st in stacks) for k in range(3))
 
         def need(n: int) -> int:
             return n * len(moes) * per_expert + (e - n) * staged

@@ -267,9 +267,9 @@ def test_prefill_stage_comes_out_of_the_device_budget(resident: LLM) -> None:
         host_expert_cache_gib=1.0, expert_zero_copy=True, expert_prefill_stage=True,
     )  # fmt: skip
     # the most device experts a layer with which they and the stage (the largest layer's host
-    # tier: the quant mix gives layers different sizes) fit the budget
+    # stack of each kind: the quant mix gives layers different sizes) fit the budget
     per_expert = probe.zero_copy[0].expert_bytes
-    largest = max(p.expert_bytes for p in probe.zero_copy)
+    largest = sum(max(p._host[k].data[0].numel() for p in probe.zero_copy) for k in range(3))
     fits = [n for n in range(experts + 1)
             if n * layers * per_expert + (experts - n) * largest <= budget]  # fmt: skip
     assert {p.n_device for p in llm.zero_copy} == {max(fits)} and max(fits) < experts // 2
