@@ -35,7 +35,8 @@ kernels and launch shape, so the same bits. The stage's bytes come out of the de
 
 Counters: reads of every expert, kept on the device (no sync), summed per tier by
 `read_counts()` (reads between two rebalances count for the tier the expert was in: "device",
-"host" across the link, "cpu" computed by the host); swaps and the bytes they copied.
+"host" across the link, "cpu" computed by the host, "stage" a host expert read from the prefill
+stage); swaps and the bytes they copied; the stage's fills and bytes.
 
 Letters: E experts, F expert FFN, H hidden, S_d / S_h experts per tier.
 """

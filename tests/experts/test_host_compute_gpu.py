@@ -26,7 +26,9 @@ def hybrid(gpu_share: float, cpu_fraction: float, layer_bytes: int, layers: int)
     )  # fmt: skip
 
 
-def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
+def demo_sizes() -> tuple[int, int]:
+    """(bytes of one layer's experts, MoE layers) of the demo model; skips the test where the
+    native experts cannot be built."""
     from moestream import native
 
     try:
@@ -34,8 +36,11 @@ def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
     except native.NativeUnavailable as exc:
         pytest.skip(f"native experts unavailable: {exc}")
     probe = hybrid(0.0, 0.0, 0, 1)
-    layer_bytes, layers = probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
-    del probe
+    return probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
+
+
+def test_host_computed_experts_give_the_same_text_at_every_placement() -> None:
+    layer_bytes, layers = demo_sizes()
     outs = []
     placements = ((0.5, 0.5), (0.25, 1.0), (0.0, 0.5))
     for gpu_share, cpu_fraction in placements:
@@ -65,16 +70,9 @@ def test_prefill_stage_keeps_the_text() -> None:
     """A prompt long enough for the prefill stage (`experts.zero_copy.ExpertStage`): its
     forward reads the host tier from device memory with the same launch shape, so tokens and
     logprobs equal those of the same placement without the stage (host work and link alike)."""
-    from moestream import native
     from moestream.experts.zero_copy import STAGE_MIN_TOKENS, zero_copy_snapshot
 
-    try:
-        native.library()
-    except native.NativeUnavailable as exc:
-        pytest.skip(f"native experts unavailable: {exc}")
-    probe = hybrid(0.0, 0.0, 0, 1)
-    layer_bytes, layers = probe.zero_copy[0].nbytes["host"], len(probe.zero_copy)
-    del probe
+    layer_bytes, layers = demo_sizes()
     prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 6
     for cpu_fraction in (0.5, 0.0):
         outs = []
