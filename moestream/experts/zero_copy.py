@@ -93,7 +93,9 @@ class ExpertStage:
         """Copy a layer's host tier (pinned) into the stage, queued on the current stream."""
         for kind, host in enumerate(host_stacks):
             self.view(kind, host).copy_(host, non_blocking=True)
-        self._counts.add_(self._counts.new_tensor([1, sum(h.numel() for h in host_stacks)]))
+        # scalar adds (a graph captures them; a tensor made from host values would be a copy)
+        self._counts[0].add_(1)
+        self._counts[1].add_(sum(h.numel() for h in host_stacks))
 
     def counts(self) -> tuple[int, int]:
         """(layer fills, bytes copied into the stage) so far (one device sync)."""
