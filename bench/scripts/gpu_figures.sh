@@ -131,16 +131,16 @@
 #   bench/scripts/gpu_figures.sh s16a    host experts' text at three placements; native speed
 #                                        after the AVX2 work; the 30B at 50 / 10% with the CPU
 #   bench/scripts/gpu_figures.sh s17a    host experts' GPU tests; the 30B's CPU share swept at 50%
-#   bench/scripts/gpu_figures.sh s17b    the 30B's CPU share swept at 10% and 25%
 #   bench/scripts/gpu_figures.sh s18a    host experts' GPU text test x6; share 0-0.6 at 50%;
 #                                        OpenMP threads spinning
 #   bench/scripts/gpu_figures.sh s18b    the prefill stage: GPU test; 512/4096-token prefill
+#   bench/scripts/gpu_figures.sh s18c    the GPU MoE bits against the exact interpreters
 #   bench/scripts/gpu_figures.sh where   GPU-marked graph tests, greedy GPU vs CPU; tiny-pair
 #                                        speculation; 30B-A3B decode with and without PDL;
 #                                        profiles of a warm 32k prefix-cache prefill and of
 #                                        batch-1 decode
 set -uo pipefail
-part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d|s9e|s16a|s17a|s17b|s18a|s18b}
+part=${1:?usage: gpu_figures.sh check|check2|diag|kern|sweep2|final2|models|experts|profile|tune|host|q8|q30|final|where|pdl|fin3a|fin3b|spechost|after|spec30|probe|probe2|ab3|once|fin4|dip|dgraph|link|spec5|mmq|grouped|fin6|gsmall|q30c|phases|gtest|s7a|s7b|s7c|s7d|s7e|s7f|s7g|s7h|s8a|s8b|s8c|s8d|s8e|s8f|s8g|s9a|s9b|s9c|s9d|s9e|s16a|s17a|s18a|s18b|s18c}
 out=${OUT:-/tmp/gpu-figures}
 mkdir -p "$out" /tmp/r
 export PYTHONUNBUFFERED=1
@@ -1025,13 +1025,6 @@ PY
     timeout 330 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
       --fractions 0,0.33,0.5,0.67,0.85 --batches 1,8 2>&1 | tee "$out/sweep50.md" | tail -14
     ;;
-  s17b)  # the CPU share at 10% and 25% on the device; threads at 50%
-    synth qwen3-30b-a3b q30
-    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
-      --fractions 0.33,0.5,0.67,0.85,1 --batches 1,8 2>&1 | tee "$out/sweep10.md" | tail -14
-    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
-      --fractions 0.33,0.5,0.67,0.85 --batches 1,8 2>&1 | tee "$out/sweep25.md" | tail -14
-    ;;
   s18a)  # the GPU text test of host experts six times (it failed once in 7 runs, details
     # lost); the 30B at 50% with the CPU share near 0.5, the routing copies on the side stream;
     # then with OpenMP's threads spinning between layers instead of sleeping
@@ -1058,6 +1051,10 @@ PY
       --decode-tokens 32 --repeats 2)
     bench pre50 150 "${zc[@]}" --prompt-lens 512
     bench pre50s 200 "${zc[@]}" --prompt-lens 512,4096 --expert-prefill-stage
+    ;;
+  s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
+    timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
+      --durations=3 2>&1 | tail -8
     ;;
   q8) synth qwen3-8b q8; q8 ;;
   q30) synth qwen3-30b-a3b q30; q30; prefix ;;

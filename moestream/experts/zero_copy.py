@@ -177,12 +177,11 @@ class ZeroCopyExperts:
         self._views = [self._view(i) for i in range(e)]
         # Host-computed experts: the first n_cpu host slots (`experts.host_compute`).
         self.n_cpu = n_cpu
-        self.host_marked = np.array(
-            [self._computed_by_host(i) for i in range(e)], dtype=np.int8
-        )  # [E] 1: computed by the host (`host_tables`, read by the host functions)
-        self.host_marks = torch.tensor(
-            [-1 if m else 0 for m in self.host_marked], dtype=torch.int32, device=self.device
-        )  # [E]: the kernels' marks (negative: the host's)
+        self.host_marked = np.zeros(e, dtype=np.int8)  # [E] 1: computed by the host
+        # (`host_tables`, read by the host functions)
+        self.host_marks = torch.zeros(e, dtype=torch.int32, device=self.device)  # [E]: the
+        # kernels' marks (negative: the host's)
+        self._mark_all()
         self._host_addr = np.zeros((3, e), dtype=np.uint64)  # [3, E] host-placed experts' bytes
         for i in range(e):
             self._set_host_addr(i)
@@ -232,8 +231,11 @@ class ZeroCopyExperts:
         if not 0 <= n_cpu <= self.num_experts - self.n_device:
             raise ValueError(f"n_cpu {n_cpu} not in [0, {self.num_experts - self.n_device}]")
         self.n_cpu = n_cpu
-        for e in range(self.num_experts):
-            self.host_marked[e] = self._computed_by_host(e)
+        self._mark_all()
+
+    def _mark_all(self) -> None:
+        """Both mark tables from the placement and `n_cpu`."""
+        self.host_marked[:] = [self._computed_by_host(e) for e in range(len(self.host_marked))]
         self.host_marks.copy_(torch.from_numpy(-self.host_marked.astype(np.int32)))
 
     def _computed_by_host(self, e: int) -> bool:
@@ -276,10 +278,8 @@ class ZeroCopyExperts:
         if reads is None or staged is None:
             reads, staged = torch.stack([self._reads, self._staged]).tolist()
         reads, staged = list(reads), list(staged)
-        for e, (d, s) in enumerate(self._new_reads(reads, staged)):
-            self._tier_reads[self._tier(e)] += d
-            self._tier_reads["device" if self._on_device[e] else "stage"] += s
-            self.heat[e] = HEAT_DECAY * self.heat[e] + d + s
+        for e, n in enumerate(self._fold(self._tier_reads, reads, staged)):
+            self.heat[e] = HEAT_DECAY * self.heat[e] + n
         self._seen, self._staged_seen = reads, staged
         host = sorted((e for e in range(len(reads)) if not self._on_device[e]), key=self._hotter)
         device = sorted((e for e in range(len(reads)) if self._on_device[e]), key=self._colder)
@@ -343,20 +343,25 @@ class ZeroCopyExperts:
         counts = self._staged if staged else self._reads
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
-    def _new_reads(self, reads: Sequence[int], staged: Sequence[int]) -> Iterator[tuple[int, int]]:
-        """(reads, staged reads) of each expert since the last rebalance."""
-        for now, seen, s_now, s_seen in zip(reads, self._seen, staged, self._staged_seen):
-            yield now - seen, s_now - s_seen
+    def _fold(
+        self, counts: dict[str, int], reads: Sequence[int], staged: Sequence[int]
+    ) -> list[int]:
+        """Add each expert's reads since the last rebalance (counter values `reads`, `staged`)
+        to `counts` by tier; returns each expert's new reads."""
+        new = []
+        for e, (now, seen) in enumerate(zip(reads, self._seen)):
+            d, s = now - seen, staged[e] - self._staged_seen[e]
+            counts[self._tier(e)] += d
+            counts["device" if self._on_device[e] else "stage"] += s
+            new.append(d + s)
+        return new
 
     def read_counts(self) -> dict[str, int]:
         """Expert reads so far: {"device": n, "host": n (across the link), "cpu": n (computed
         by the host), "stage": n (host experts read from the prefill stage)} (one device
         sync)."""
         counts = dict(self._tier_reads)
-        reads, staged = torch.stack([self._reads, self._staged]).tolist()
-        for e, (d, s) in enumerate(self._new_reads(reads, staged)):
-            counts[self._tier(e)] += d
-            counts["device" if self._on_device[e] else "stage"] += s
+        self._fold(counts, *torch.stack([self._reads, self._staged]).tolist())
         return counts
 
     def _tier(self, e: int) -> str:

@@ -426,15 +426,14 @@ def moe_forward_addr(
     expert_addr: torch.Tensor,
     host: HostWork | None = None,
     host_marks: torch.Tensor | None = None,
-    reproducible: bool = False,
 ) -> torch.Tensor:
     """The fused MoE with expert weights found by byte address (`experts.zero_copy`): gate, up
     [1, F, H] and down [1, H, F] give types and shapes, expert_addr [3, E] int64 the bytes of
     each expert. CUDA kernel path only ("mmvq", in chunks of at most MMVQ_MAX_ASSIGNMENTS
     assignments; a token's result does not depend on its chunk). `host` computes the experts
-    whose `host_marks` [E] int32 entry is negative, chunk by chunk (`moe_mmvq.HostWork`; the
-    launch then takes `HYBRID_CONFIG`, as it does with `reproducible`: the bits of a layer
-    whose host work is off for this call)."""
+    whose `host_marks` [E] int32 entry is negative, chunk by chunk (`moe_mmvq.HostWork`).
+    With `host_marks` the launch takes `HYBRID_CONFIG`, with or without `host` (a layer whose
+    host work sits out this call keeps its bits)."""
     from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, fused_moe
     from moestream.kernels.moe_mmvq import HYBRID_CONFIG, ZERO_COPY_CONFIG
 
@@ -448,8 +447,7 @@ def moe_forward_addr(
         max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1]),
         lambda xc, ic, wc: fused_moe(
             xc, ic, wc, gate, up, down, host_marks, method="mmvq", expert_addr=expert_addr,
-            mmvq_cfg=HYBRID_CONFIG if host is not None or reproducible else ZERO_COPY_CONFIG,
-            host_rows=host,
+            mmvq_cfg=ZERO_COPY_CONFIG if host_marks is None else HYBRID_CONFIG, host_rows=host,
         ),
     )  # fmt: skip
 

@@ -229,8 +229,7 @@ class SparseMoE:
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
         resident (the provider's own table; no host sync), else the per-expert path. The fused
         call takes the q8 rounding of x that its norm attached (`norm.q8_of`), if any."""
-        zero_copy = getattr(self.experts, "expert_addr", None) is not None
-        if zero_copy:
+        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy placement
             experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`
             if not fused_moe_path(x):
                 experts.count(ids)
@@ -238,12 +237,11 @@ class SparseMoE:
                 addr, staged = experts.addresses(x.shape[0])
                 experts.count(ids, staged)
                 gate, up, down = experts.stacked()
-                work = None if staged else experts.host_work
-                marks = experts.host_marks if work else None
+                work = experts.host_work
+                marks = experts.host_marks if work else None  # the launch shape of host work
                 return ops.moe_forward_addr(
-                    x, ids, weights, gate, up, down, addr, work, marks,
-                    reproducible=experts.host_work is not None,
-                )  # fmt: skip
+                    x, ids, weights, gate, up, down, addr, None if staged else work, marks
+                )
         elif expert_slot is None and fused_moe_path(x) and self.resident:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:

@@ -221,9 +221,7 @@ __attribute__((target("avx2"))) static void scales_mins_avx2(const uint8_t *q, f
     _mm256_storeu_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
     _mm256_storeu_ps(mn, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8))));
 }
-#endif
 
-#ifdef HAVE_AVX2_PATH
 /* f16_to_f32 of two halves at once by the F16C instruction (exact, subnormals included). */
 __attribute__((target("f16c"))) static void f16_pair_f16c(const uint8_t *p, float *a,
                                                           float *b) {
@@ -700,17 +698,19 @@ void host_layer(void *arg) {
     }
     if (n) {
         size_t fb = (size_t)p->f, hb = (size_t)p->h, nn = (size_t)n;
-        uint64_t *ptr = malloc(sizeof(uint64_t) * 3 * nn); /* gate, up, down addresses */
-        int32_t *q6 = malloc(sizeof(int32_t) * nn), *tok = malloc(sizeof(int32_t) * nn);
-        int64_t *drb = malloc(sizeof(int64_t) * nn);
-        float *wt = malloc(sizeof(float) * nn);
-        int8_t *hq = malloc(fb * nn);
-        float *hd = malloc(sizeof(float) * (fb / 32) * nn);
-        float *hs = malloc(sizeof(float) * (fb / 32) * nn);
-        float *out = malloc(sizeof(float) * hb * nn);
-        if (!ptr || !q6 || !tok || !drb || !wt || !hq || !hd || !hs || !out) {
+        /* one scratch block a call, carved by decreasing alignment: 8-byte words (3 addresses
+         * and the down row bytes each), 4-byte floats and ints, then bytes */
+        size_t words = 4 * nn, floats = nn + 2 * (fb / 32) * nn + hb * nn, ints = 2 * nn;
+        char *scratch = malloc(8 * words + 4 * floats + 4 * ints + fb * nn);
+        if (scratch == NULL) {
             rc = -1;
         } else {
+            uint64_t *ptr = (uint64_t *)scratch; /* gate, up, down addresses */
+            int64_t *drb = (int64_t *)(ptr + 3 * nn);
+            float *wt = (float *)(drb + nn), *hd = wt + nn, *hs = hd + (fb / 32) * nn;
+            float *out = hs + (fb / 32) * nn;
+            int32_t *q6 = (int32_t *)(out + hb * nn), *tok = q6 + nn;
+            int8_t *hq = (int8_t *)(tok + nn);
             for (int i = 0; i < n; i++) {
                 int a = sel[i];
                 int64_t e = p->ids[a];
@@ -729,15 +729,7 @@ void host_layer(void *arg) {
                 memcpy(p->rows + (size_t)sel[i] * hb, out + (size_t)i * hb, sizeof(float) * hb);
             }
         }
-        free(ptr);
-        free(q6);
-        free(tok);
-        free(drb);
-        free(wt);
-        free(hq);
-        free(hd);
-        free(hs);
-        free(out);
+        free(scratch);
     }
     free(sel);
     clock_gettime(CLOCK_MONOTONIC, &t1);
