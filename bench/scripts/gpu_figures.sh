@@ -1052,6 +1052,16 @@ PY
     bench pre50 150 "${zc[@]}" --prompt-lens 512
     bench pre50s 200 "${zc[@]}" --prompt-lens 512,4096 --expert-prefill-stage
     ;;
+  s19a)  # correctness first: both host-expert GPU tests five times (the text test failed once
+    # in 7 runs, details lost), then the GPU's MoE bits against the exact interpreters to its end
+    for i in 1 2 3 4 5; do
+      timeout 90 python3 -m pytest tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider \
+        --tb=long > /tmp/r/gputest.txt 2>&1
+      { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
+    done
+    timeout 300 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
+      --durations=3 2>&1 | tee "$out/exact.txt" | tail -8
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
