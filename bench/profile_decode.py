@@ -1,11 +1,16 @@
-"""Profile batch-1 decode steps of a model: where a step's time goes (torch.profiler tables).
+"""Profile batch-1 decode steps of a model: where a step's time goes (torch.profiler tables),
+and on CUDA the GPU's timeline: its busy time, and its idle gaps summed by the pair of
+operations around them (where a step waits for the host: host-computed experts, launches).
 
 python bench/profile_decode.py MODEL.gguf [--device cuda] [--steps 10] [--prompt 128]
+    [--gpu-expert-cache-gib G --host-expert-cache-gib H --expert-zero-copy
+     --expert-cpu-fraction F]   # an expert placement, as `moestream bench` takes it
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
@@ -14,41 +19,91 @@ from torch.profiler import ProfilerActivity, profile
 from moestream import LLM, SamplingParams
 
 
+def short(name: str) -> str:
+    return name.split("(")[0][:48]
+
+
+def gpu_timeline(prof, steps: int) -> None:
+    """GPU busy time per step and the idle gaps between GPU operations, by neighbours."""
+    from torch.autograd import DeviceType
+
+    ops = sorted(
+        ((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+         if e.device_type == DeviceType.CUDA),
+    )  # fmt: skip
+    if not ops:
+        print("no GPU operations recorded")
+        return
+    busy, gaps = 0.0, collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    end, prev = ops[0][0], None
+    for start, stop, name in ops:
+        if start > end and prev is not None:
+            gaps[(short(prev), short(name))] += start - end
+            counts[(short(prev), short(name))] += 1
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - ops[0][0]
+    print(f"GPU: span {span / steps / 1e3:.3f} ms a step, busy {busy / steps / 1e3:.3f} ms "
+          f"({busy / span:.0%}), idle {(span - busy) / steps / 1e3:.3f} ms")  # fmt: skip
+    print("| idle after | before | ms a step | gaps a step | us a gap |\n|---|---|---|---|---|")
+    for (a, b), us in gaps.most_common(12):
+        n = counts[(a, b)]
+        print(f"| {a} | {b} | {us / steps / 1e3:.3f} | {n / steps:.1f} | {us / n:.1f} |")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model")
     p.add_argument("--device", default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--gpu-expert-cache-gib", type=float, default=None)
+    p.add_argument("--host-expert-cache-gib", type=float, default=0.0)
+    p.add_argument("--expert-zero-copy", action="store_true")
+    p.add_argument("--expert-cpu-fraction", type=float, default=0.0)
+    p.add_argument("--tables", action="store_true", help="also torch.profiler's op tables")
     args = p.parse_args()
-    llm = LLM(args.model, device=args.device, kv_cache_gib=args.kv_cache_gib)
+    llm = LLM(
+        args.model, device=args.device, kv_cache_gib=args.kv_cache_gib,
+        gpu_expert_cache_gib=args.gpu_expert_cache_gib,
+        host_expert_cache_gib=args.host_expert_cache_gib, expert_zero_copy=args.expert_zero_copy,
+        expert_cpu_fraction=args.expert_cpu_fraction, expert_rebalance_steps=0,
+    )  # fmt: skip
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.steps * 3 + 40, ignore_eos=True)
     ids = [(i * 7919) % (llm.config.vocab_size - 10) + 5 for i in range(args.prompt)]
     engine.add_request(ids, params)
     for _ in range(20):  # prefill and warm-up decode steps
         engine.step()
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     sync()
+    host = [z.host_work.compute for z in (llm.zero_copy or [])[:1] if z.host_work is not None]
+    before = host[0].counters if host else None
     t = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync()
-    print(f"plain: {(time.perf_counter() - t) / args.steps * 1e3:.2f} ms per decode step")
+    step_ms = (time.perf_counter() - t) / args.steps * 1e3
+    print(f"plain: {step_ms:.2f} ms per decode step")
+    if host:
+        after = host[0].counters
+        calls = (after["calls"] - before["calls"]) / args.steps
+        spent = (after["compute_s"] - before["compute_s"]) / args.steps * 1e3
+        print(f"host experts: {calls:.1f} host functions a step, {spent:.3f} ms of host "
+              f"compute a step ({spent / max(calls, 1) * 1e3:.1f} us a call)")  # fmt: skip
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if llm.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         for _ in range(args.steps):
             engine.step()
         sync()
-    key = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
-    print(
-        prof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60
-        )
-    )
     if llm.device.type == "cuda":
-        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+        gpu_timeline(prof, args.steps)
+    if args.tables or llm.device.type != "cuda":
+        key = "self_cuda_time_total" if llm.device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 if __name__ == "__main__":

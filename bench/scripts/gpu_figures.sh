@@ -1062,6 +1062,27 @@ PY
     timeout 300 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tee "$out/exact.txt" | tail -8
     ;;
+  s19b)  # the capture failure of a fresh machine: caches cleared before each run, the CUDA
+    # driver's error log and the kernels compiled inside a capture; then the MoE bits against
+    # the exact interpreter's (reference computed on a CPU: bench/exact_bits.py)
+    for i in 1 2 3; do
+      rm -rf ~/.triton/cache ~/.cache/moestream
+      CUDA_LOG_FILE="$out/cudalog$i.txt" timeout 100 python3 .diag/capture_probe.py \
+        tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider -k every_placement \
+        --tb=short -s > /tmp/r/g.txt 2>&1
+      { echo "== run $i"; grep -v "^\s*$" /tmp/r/g.txt | grep -v "capturing=False"; } >> "$out/probe.txt"
+      tail -1 /tmp/r/g.txt
+    done
+    python3 bench/exact_bits.py compare .diag/exact_ref.pt 2>&1 | tail -5
+    # where a batch-1 step at half the experts on the device waits: the GPU's idle gaps
+    synth qwen3-30b-a3b q30
+    for f in 0.5 0; do
+      timeout 150 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 8 \
+        --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+        --expert-zero-copy --expert-cpu-fraction $f 2>&1 | grep -v USDT \
+        | tee "$out/profile_f$f.md" | head -22
+    done
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
