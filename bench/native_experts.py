@@ -1,13 +1,17 @@
 """Throughput of the native CPU expert code (`moestream/native`) in the Qwen3-30B-A3B shapes.
 
 Usage: python bench/native_experts.py [--threads 1,2,4,8,16] [--experts 96] [--rounds 5]
+    [--memory numpy|small|huge|pinned]
 
 Each round computes one token through `--experts` distinct random experts (Q4_K gate and up
 [768, 2048], Q6_K down [2048, 768]: 3.0 MB each, together far more than the CPU's caches), the
 experts spread over a pool of threads (the native calls release the GIL); it reports the
 median rate of expert weights read (GB/s, 1e9 B/s), min-max over the rounds, per thread count,
 and what that rate means for a 30B token whose host-placed experts the CPU computes: 1.097 GB
-of active expert weights a token (bench/RESULTS.md, "Ceilings") over the rate.
+of active expert weights a token (bench/RESULTS.md, "Ceilings") over the rate. `--memory`: where
+the experts live: numpy arrays (the allocator's pages), one arena of 4 KiB pages ("small",
+MADV_NOHUGEPAGE), of transparent 2 MiB pages ("huge", MADV_HUGEPAGE), or torch's pinned memory
+("pinned": the host tier's, needs CUDA).
 
 One thread's time for an expert's gate/up and for its down, apart. Then a layer's host experts
 of one token in one call (`native.moe_host_rows`, its threads OpenMP's): 4 of the token's 8
@@ -40,6 +44,7 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2,4,8,16", help="thread counts, comma separated")
     ap.add_argument("--experts", type=int, default=96, help="distinct experts per round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--memory", choices=("numpy", "small", "huge", "pinned"), default="numpy")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     cpu = torch.device("cpu")
@@ -50,6 +55,8 @@ def main() -> int:
     experts = [(weight("Q4_K", (F, H), 3 * i), weight("Q4_K", (F, H), 3 * i + 1),
                 weight("Q6_K", (H, F), 3 * i + 2)) for i in range(args.experts)]  # fmt: skip
     nbytes = sum(g.nbytes + u.nbytes + d.nbytes for g, u, d in experts)
+    if args.memory != "numpy":
+        experts = in_arena(experts, nbytes, args.memory)
     xq = rng.integers(-127, 128, H, dtype=np.int8)
     xd = np.full(H // 32, 0.01, np.float32)
     xs = (xd * 3).astype(np.float32)
@@ -92,6 +99,35 @@ def main() -> int:
             print(f"| {n} | {per_token} | {med * 1e3:.2f} ({min(times) * 1e3:.2f}-"
                   f"{max(times) * 1e3:.2f}) | {48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
     return 0
+
+
+def in_arena(experts: list, nbytes: int, memory: str) -> list:
+    """The experts copied into one arena of `memory` pages (module docstring)."""
+    import mmap
+
+    if memory == "pinned":
+        arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    else:
+        huge = 2 << 20
+        m = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE if memory == "huge" else mmap.MADV_NOHUGEPAGE)
+        raw = np.frombuffer(m, dtype=np.uint8)
+        start = -raw.ctypes.data % huge
+        arena = raw[start : start + nbytes]
+    out, at = [], 0
+    for e in experts:
+        views = []
+        for w in e:
+            v = arena[at : at + w.nbytes].reshape(w.shape)
+            v[...] = w
+            views.append(v)
+            at += w.nbytes
+        out.append(tuple(views))
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        huge_kb = [ln for ln in meminfo.read_text().splitlines() if ln.startswith("AnonHugePages")]
+        print(f"memory {memory}: {' '.join(huge_kb)}")
+    return out
 
 
 def split(experts: list, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, rounds: int) -> None:

@@ -4,7 +4,8 @@ operations around them (where a step waits for the host: host-computed experts, 
 
 python bench/profile_decode.py MODEL.gguf [--device cuda] [--steps 10] [--prompt 128]
     [--gpu-expert-cache-gib G --host-expert-cache-gib H --expert-zero-copy
-     --expert-cpu-fraction F]   # an expert placement, as `moestream bench` takes it
+     --expert-cpu-fraction F --expert-cpu-threads N]   # an expert placement, as `moestream
+                                                       # bench` takes it
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def main() -> None:
     p.add_argument("--host-expert-cache-gib", type=float, default=0.0)
     p.add_argument("--expert-zero-copy", action="store_true")
     p.add_argument("--expert-cpu-fraction", type=float, default=0.0)
+    p.add_argument("--expert-cpu-threads", type=int, default=None)
     p.add_argument("--tables", action="store_true", help="also torch.profiler's op tables")
     args = p.parse_args()
     llm = LLM(
         args.model, device=args.device, kv_cache_gib=args.kv_cache_gib,
         gpu_expert_cache_gib=args.gpu_expert_cache_gib,
         host_expert_cache_gib=args.host_expert_cache_gib, expert_zero_copy=args.expert_zero_copy,
-        expert_cpu_fraction=args.expert_cpu_fraction, expert_rebalance_steps=0,
+        expert_cpu_fraction=args.expert_cpu_fraction, expert_cpu_threads=args.expert_cpu_threads,
+        expert_rebalance_steps=0,
     )  # fmt: skip
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.steps * 3 + 40, ignore_eos=True)

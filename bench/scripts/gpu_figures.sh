@@ -1083,6 +1083,23 @@ PY
         | tee "$out/profile_f$f.md" | head -22
     done
     ;;
+  s19c)  # the host's cores: transparent huge pages, the native experts on each kind of memory
+    # (1 and 16 threads); then the batch-1 profile at half the experts on the device with
+    # OpenMP's threads spinning, and with 8 threads
+    cat /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/defrag
+    grep -m1 "model name" /proc/cpuinfo; nproc
+    for m in numpy small huge pinned; do
+      timeout 90 python3 bench/native_experts.py --threads 1,16 --experts 32 --rounds 3 \
+        --memory $m 2>&1 | tee "$out/native_$m.md" | grep -v "^|---" | head -12
+    done
+    synth qwen3-30b-a3b q30
+    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
+    OMP_WAIT_POLICY=active timeout 120 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_active.md" | head -9
+    timeout 120 python3 bench/profile_decode.py "${prof[@]}" --expert-cpu-threads 8 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_t8.md" | head -9
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
