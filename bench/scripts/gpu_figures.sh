@@ -1100,6 +1100,30 @@ PY
     timeout 120 python3 bench/profile_decode.py "${prof[@]}" --expert-cpu-threads 8 2>&1 \
       | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_t8.md" | head -9
     ;;
+  s19d)  # the native experts' own thread pool (workers spin 2 ms after a call, then sleep;
+    # OpenMP's team slept between layers): the GPU tests of host experts twice; the native
+    # experts on pinned memory; the batch-1 profile at 50% with 16 and 15 threads (prediction:
+    # host call 256 -> 150-190 us, step 25.6 -> 20-22 ms); the CPU share at 50% and at 10%
+    for i in 1 2; do
+      CUDA_LOG_FILE="$out/cudalog$i.txt" timeout 90 python3 -m pytest \
+        tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short \
+        > /tmp/r/gputest.txt 2>&1
+      { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
+    done
+    timeout 60 python3 bench/native_experts.py --threads 1,16 --experts 32 --rounds 3 \
+      --memory pinned 2>&1 | tee "$out/native.md" | tail -6
+    synth qwen3-30b-a3b q30
+    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
+    for t in 16 15; do
+      timeout 100 python3 bench/profile_decode.py "${prof[@]}" --expert-cpu-threads $t 2>&1 \
+        | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_t$t.md" | head -8
+    done
+    timeout 150 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.5,0.67 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep50.md" | tail -6
+    timeout 110 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
+      --fractions 0.5 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep10.md" | tail -4
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
