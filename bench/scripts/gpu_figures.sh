@@ -1124,6 +1124,22 @@ PY
     timeout 110 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
       --fractions 0.5 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep10.md" | tail -4
     ;;
+  s19e)  # no garbage collection inside a capture (an old graph's executable destroyed there
+    # invalidated it: the fresh-machine failure); the host experts' threads one per core less
+    # one (16 spinning workers starved the process): GPU tests twice, then the 30B at 50% with
+    # 15 and 14 threads and at 10% with 15 (prediction: 50% batch 1 above OpenMP's 65.6)
+    for i in 1 2; do
+      CUDA_LOG_FILE="$out/cudalog$i.txt" timeout 80 python3 -m pytest \
+        tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short \
+        > /tmp/r/gputest.txt 2>&1
+      { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
+    done
+    synth qwen3-30b-a3b q30
+    timeout 140 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.5 --threads 15,14 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep50.md" | tail -5
+    timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
+      --fractions 0.5 --threads 15 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep10.md" | tail -3
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

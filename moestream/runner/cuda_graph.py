@@ -48,6 +48,7 @@ does); `decode_graphs_for` returns None where graphs cannot run (CPU, streamed e
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -107,8 +108,18 @@ class CudaGraphBackend:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a server's) cannot invalidate the capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
+        # No garbage collection inside it: collecting an unreachable CUDA graph there destroys
+        # its executable, a call that invalidates the capture (the driver: "API call conflicts
+        # with a stream capture sequence", from cuGraphExecDestroy; seen on the H200 when an
+        # earlier LLM's graphs were collected mid-capture). torch.cuda.graph collects first.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+        finally:
+            if collecting:
+                gc.enable()
         return graph.replay, out
 
 
