@@ -14,7 +14,7 @@ MADV_NOHUGEPAGE), of transparent 2 MiB pages ("huge", MADV_HUGEPAGE), or torch's
 ("pinned": the host tier's, needs CUDA).
 
 One thread's time for an expert's gate/up and for its down, apart. Then a layer's host experts
-of one token in one call (`native.moe_host_rows`, its threads the native pool's): 4 of the token's 8
+of one token in one call (`native.moe_host_rows`, its threads OpenMP's): 4 of the token's 8
 experts (half the experts on the host) and all 8, the median time a call over `--rounds` x 12
 calls (each call other experts), and 48 layers of it: the host's share of a 30B token."""
 

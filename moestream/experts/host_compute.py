@@ -50,12 +50,10 @@ MAX_ASSIGNMENTS = 256
 
 
 def default_threads() -> int:
-    """Threads for the host experts: the cores this process may run on, less one for its own
-    threads (the one that launches steps, CUDA's host-function thread). The pool's workers
-    spin between a step's layers, so one per core would take every core: on the H200's 16
-    cores 16 threads gave 39.4 tok/s at batch 1 where 15 gave ... (bench/RESULTS.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) - 1)
+    """Threads for the host experts: the cores this process may run on (on the H200's 16
+    cores, 16 OpenMP threads gave 61.4 tok/s at batch 1 with half the 30B's experts on the
+    device, 15 gave 57.9: bench/RESULTS.md, fourteenth session)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _cu_launch_host_func() -> Any:

@@ -96,8 +96,8 @@ def _build() -> ctypes.CDLL:
     errors = []
     features = _cpu_features()
     arch = _arch_flags(features)
-    # POSIX threads for moe_host_rows' pool; the target where the compiler knows it
-    tries = [[*arch, "-pthread"], ["-pthread"]] if arch else [["-pthread"]]
+    # threads in moe_host_rows where the compiler has OpenMP; the target where it knows it
+    tries = [[*arch, "-fopenmp"], ["-fopenmp"], arch, []] if arch else [["-fopenmp"], []]
     for extra in tries:
         flags = [*FLAGS, *extra]
         key = hashlib.sha256(src + " ".join([cc, *flags, features]).encode()).hexdigest()
@@ -124,8 +124,6 @@ def _build() -> ctypes.CDLL:
     else:
         raise NativeUnavailable(f"cannot build {SOURCE.name}: " + " | ".join(errors))
     p = ctypes.c_void_p
-    lib.native_pool_spin_us.argtypes = [ctypes.c_int64]
-    lib.native_pool_spin_us.restype = None
     lib.gate_up_q4_k.argtypes = [p, p, ctypes.c_int64, *[ctypes.c_int] * 4, *[p] * 7]
     lib.gate_up_q4_k.restype = ctypes.c_int
     lib.down_rows.argtypes = [p, ctypes.c_int64, *[ctypes.c_int] * 5, p, p, p, ctypes.c_float, p]
@@ -282,8 +280,7 @@ def moe_host_rows(
     is token tokens[i]'s expert experts[i] = (gate, up, down, down is Q6_K) (uint8 Q4_K gate/up
     rows [F, H / 256 * 144], down rows [H, F / 256 * (210 or 144)], as in the file) with routing
     weight weights[i]; each row as `gate_up_q4_k` then `down_rows` give it, computed by
-    `threads` threads in one call (`experts.c`'s pool: its workers spin 2 ms after a call,
-    `MOESTREAM_HOST_SPIN_US`, then sleep). xq int8 [T, H], xd and xs
+    `threads` threads in one call (OpenMP where the build has it). xq int8 [T, H], xd and xs
     float32 [T, H / 32]: the tokens' q8 rows as the GPU rounded them."""
     n = len(experts)
     if not (len(tokens) == len(weights) == n):

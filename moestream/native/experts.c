@@ -21,14 +21,12 @@
  * c) as `mmvq._acc_q4_k` / `mmvq._acc_q6_k` accumulate them from 0.0, summed by `tree_sum`. The
  * kernel adds the experts' sums in selection order: y = ((0 + T_0) + T_1) + ...
  */
-#define _POSIX_C_SOURCE 200809L
+#define _POSIX_C_SOURCE 199309L
 #include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
+#include <stdint.h>
+#include <string.h>
 
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -609,271 +607,55 @@ int down_rows(const uint8_t *w, int64_t row_bytes, int q6, int f, int n0, int n1
     return 0;
 }
 
-/* ---- the thread pool ----------------------------------------------------------------------
- * moe_host_rows runs on the CUDA driver's host-function thread once a layer, ~0.3-0.5 ms apart in
- * a decode step. An OpenMP team there put its threads to sleep between layers, and waking them
- * cost more than half of a two-expert layer's time (H200 host: 256 us a call where the same work
- * back to back took ~0.15 ms); spinning forever (OMP_WAIT_POLICY=active) starved the rest of the
- * process (2.7 ms a call). This pool's workers spin for `spin_ns` after each job (so they stay
- * hot through a step) and then sleep on a condition variable until the next.
- *
- * A job is n tasks handed out by one ticket word: the job's id (24 bits), n (20) and the next
- * task (20), claimed by compare-and-swap, so a worker that wakes late cannot take a task of the
- * next job (its id no longer matches). The caller takes tasks too and returns when all n have
- * finished, not waiting for workers that never woke. One caller at a time (`lock`). */
-typedef void (*task_fn)(void *ctx, int task);
-
-typedef struct {
-    pthread_mutex_t lock;                /* one job at a time */
-    pthread_mutex_t sleep_lock;
-    pthread_cond_t wake;
-    int workers;                         /* threads beside the caller */
-    pthread_t *tids;
-    _Atomic uint64_t ticket;             /* job id << 40 | tasks << 20 | next task */
-    _Atomic int finished;                /* tasks of this job done */
-    _Atomic int sleepers;
-    _Atomic int quit;
-    task_fn fn;                          /* written before the ticket publishes a job */
-    void *ctx;
-    int64_t spin_ns;
-} pool_t;
-
-static pool_t pool = {.lock = PTHREAD_MUTEX_INITIALIZER,
-                      .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
-                      .wake = PTHREAD_COND_INITIALIZER};
-
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-#define TASK_BITS 20
-#define TASK_MASK ((1u << TASK_BITS) - 1)
-#define JOB_OF(v) ((uint32_t)((v) >> (2 * TASK_BITS)))
-
-/* Tasks of job `job` until none is left (or the ticket has moved on to another job). */
-static void take_tasks(uint32_t job) {
-    uint64_t v = atomic_load(&pool.ticket);
-    for (;;) {
-        if (JOB_OF(v) != job || (v & TASK_MASK) >= ((v >> TASK_BITS) & TASK_MASK)) {
-            return;
-        }
-        if (atomic_compare_exchange_weak(&pool.ticket, &v, v + 1)) {
-            pool.fn(pool.ctx, (int)(v & TASK_MASK));
-            atomic_fetch_add_explicit(&pool.finished, 1, memory_order_release);
-            v = atomic_load(&pool.ticket);
-        }
-    }
-}
-
-static void *pool_worker(void *arg) {
-    (void)arg;
-    uint32_t seen = JOB_OF(atomic_load(&pool.ticket));
-    for (;;) {
-        int64_t t0 = now_ns();
-        uint32_t job;
-        for (int spins = 1;; spins++) {
-            job = JOB_OF(atomic_load(&pool.ticket));
-            if (job != seen || atomic_load(&pool.quit)) {
-                break;
-            }
-            cpu_relax();
-            if (spins % 256 == 0 && now_ns() - t0 > pool.spin_ns) {
-                pthread_mutex_lock(&pool.sleep_lock);
-                atomic_fetch_add(&pool.sleepers, 1); /* then the ticket again: see pool_run */
-                while ((job = JOB_OF(atomic_load(&pool.ticket))) == seen &&
-                       !atomic_load(&pool.quit)) {
-                    pthread_cond_wait(&pool.wake, &pool.sleep_lock);
-                }
-                atomic_fetch_sub(&pool.sleepers, 1);
-                pthread_mutex_unlock(&pool.sleep_lock);
-                break;
-            }
-        }
-        if (atomic_load(&pool.quit)) {
-            return NULL;
-        }
-        seen = job;
-        take_tasks(job);
-    }
-}
-
-static void pool_wake_all(void) {
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.sleep_lock);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.sleep_lock);
-    }
-}
-
-static void pool_stop(void) {
-    atomic_store(&pool.quit, 1);
-    pthread_mutex_lock(&pool.sleep_lock);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.sleep_lock);
-    for (int i = 0; i < pool.workers; i++) {
-        pthread_join(pool.tids[i], NULL);
-    }
-    free(pool.tids);
-    pool.tids = NULL;
-    pool.workers = 0;
-    atomic_store(&pool.quit, 0);
-}
-
-/* `workers` threads beside the caller (fewer if threads cannot be made: the caller does the
- * rest). The caller holds pool.lock. */
-static void pool_resize(int workers) {
-    if (workers == pool.workers) {
-        return;
-    }
-    pool_stop();
-    pool.tids = malloc(sizeof(pthread_t) * (size_t)(workers > 0 ? workers : 1));
-    if (pool.tids == NULL) {
-        return;
-    }
-    for (int i = 0; i < workers; i++) {
-        if (pthread_create(&pool.tids[i], NULL, pool_worker, NULL) != 0) {
-            break;
-        }
-        pool.workers = i + 1;
-    }
-}
-
-/* A child of fork() has none of the parent's threads: it starts with an empty pool. */
-static void pool_after_fork(void) {
-    pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
-    pthread_cond_t c = PTHREAD_COND_INITIALIZER;
-    pool.lock = m;
-    pool.sleep_lock = m;
-    pool.wake = c;
-    pool.tids = NULL;
-    pool.workers = 0;
-    atomic_store(&pool.sleepers, 0);
-}
-
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-static void pool_init(void) {
-    const char *spin = getenv("MOESTREAM_HOST_SPIN_US");
-    pool.spin_ns = (spin ? atoll(spin) : 2000) * 1000;
-    pthread_atfork(NULL, NULL, pool_after_fork);
-}
-
-/* Tests: how long idle workers spin before they sleep (0: at once). */
-void native_pool_spin_us(int64_t us) {
-    pthread_once(&pool_once, pool_init);
-    pool.spin_ns = us * 1000;
-}
-
-/* fn(ctx, i) for i < n (n < 2^20) over `threads` threads (the caller one of them); returns when
- * all n are done. */
-static void pool_run(int threads, int n, task_fn fn, void *ctx) {
-    pthread_once(&pool_once, pool_init);
-    pthread_mutex_lock(&pool.lock);
-    pool_resize(threads - 1);
-    pool.fn = fn;
-    pool.ctx = ctx;
-    atomic_store(&pool.finished, 0);
-    uint32_t job = (JOB_OF(atomic_load(&pool.ticket)) + 1) & 0xFFFFFFu;
-    /* publish (seq_cst), then look for sleepers: a worker going to sleep counts itself first
-     * and then reads the ticket, so one of the two sees the other */
-    atomic_store(&pool.ticket, (uint64_t)job << (2 * TASK_BITS) | (uint64_t)n << TASK_BITS);
-    pool_wake_all();
-    take_tasks(job);
-    while (atomic_load_explicit(&pool.finished, memory_order_acquire) < n) {
-        cpu_relax();
-    }
-    pthread_mutex_unlock(&pool.lock);
-}
-
-/* ---- a layer's host experts ----------------------------------------------------------------- */
-
-typedef struct {
-    int n, up_blocks, down_blocks, h, f, up_g, down_g;
-    const uint64_t *gate, *up, *down;
-    const int32_t *q6, *tok;
-    const float *wt;
-    int64_t gu_row_bytes;
-    const int64_t *down_row_bytes;
-    const int8_t *xq;
-    const float *xd, *xs;
-    int8_t *hq;
-    float *hd, *hs, *rows;
-    _Atomic int *up_done; /* [n] gate/up tasks finished per assignment */
-    _Atomic int bad;
-} rows_job;
-
-/* Task t: the gate/up of block t % up_blocks of assignment t / up_blocks while t < n * up_blocks,
- * then the down blocks. A down task waits for its assignment's gate/up blocks: they were all
- * handed out before it (tasks go in order) and wait on nothing, so the wait ends. */
-static void rows_task(void *arg, int task) {
-    rows_job *j = (rows_job *)arg;
-    int up_tasks = j->n * j->up_blocks;
-    if (task < up_tasks) {
-        int i = task / j->up_blocks, b = task % j->up_blocks;
-        const int8_t *x = j->xq + (size_t)j->tok[i] * j->h;
-        const float *d = j->xd + (size_t)j->tok[i] * (j->h / 32);
-        const float *s = j->xs + (size_t)j->tok[i] * (j->h / 32);
-        if (gate_up_q4_k((const uint8_t *)(uintptr_t)j->gate[i],
-                         (const uint8_t *)(uintptr_t)j->up[i], j->gu_row_bytes, j->h, 32 * b,
-                         32 * b + 32, j->up_g, x, d, s, j->hq + (size_t)i * j->f,
-                         j->hd + (size_t)i * (j->f / 32), j->hs + (size_t)i * (j->f / 32),
-                         NULL) != 0) {
-            atomic_store(&j->bad, 1);
-        }
-        atomic_fetch_add_explicit(&j->up_done[i], 1, memory_order_release);
-        return;
-    }
-    task -= up_tasks;
-    int i = task / j->down_blocks, b = task % j->down_blocks;
-    while (atomic_load_explicit(&j->up_done[i], memory_order_acquire) < j->up_blocks) {
-        cpu_relax();
-    }
-    int n1 = 64 * b + 64 < j->h ? 64 * b + 64 : j->h;
-    if (down_rows((const uint8_t *)(uintptr_t)j->down[i], j->down_row_bytes[i], j->q6[i], j->f,
-                  64 * b, n1, j->down_g, j->hq + (size_t)i * j->f,
-                  j->hd + (size_t)i * (j->f / 32), j->hs + (size_t)i * (j->f / 32), j->wt[i],
-                  j->rows + (size_t)i * j->h) != 0) {
-        atomic_store(&j->bad, 1);
-    }
-}
-
-/* A layer's host experts for a batch of assignments, spread over `threads` threads (the pool
- * above): assignment i is token tok[i]'s expert whose weights are at gate[i], up[i], down[i]
- * (down Q6_K where q6[i], its rows down_row_bytes[i] apart), routing weight wt[i]. Its gate/up
- * gives q8 h in blocks of 32 rows (hq [n][F], hd and hs [n][F / 32] scratch), then its weighted
- * down sums in blocks of 64 rows into rows [n][H]: each value as gate_up_q4_k and down_rows give
- * it, whatever the threads. x: the tokens' q8 rows xq [T][H], xd and xs [T][H / 32]. Returns 0,
- * or -1 for arguments the row functions cannot take. */
+/* A layer's host experts for a batch of assignments, spread over `threads` threads (OpenMP
+ * where the build has it): assignment i is token tok[i]'s expert whose weights are at gate[i],
+ * up[i], down[i] (down Q6_K where q6[i], its rows down_row_bytes[i] apart), routing weight
+ * wt[i]. Phase 1 computes every
+ * assignment's q8 h in blocks of 32 rows (hq [n][F], hd and hs [n][F / 32] scratch), phase 2
+ * its weighted down sums in blocks of 64 rows into rows [n][H]: each value as gate_up_q4_k and
+ * down_rows give it, whatever the threads. x: the tokens' q8 rows xq [T][H], xd and xs
+ * [T][H / 32]. Returns 0, or -1 for arguments the row functions cannot take. */
 int moe_host_rows(int n, const uint64_t *gate, const uint64_t *up, const uint64_t *down,
                   const int32_t *q6, const int32_t *tok, const float *wt, int64_t gu_row_bytes,
                   const int64_t *down_row_bytes, int h, int f, int up_g, int down_g,
                   const int8_t *xq, const float *xd, const float *xs, int8_t *hq, float *hd,
                   float *hs, float *rows, int threads) {
-    if (f % 256 || h % 256 || n < 0 || (int64_t)n * (f / 32 + (h + 63) / 64) > TASK_MASK) {
+    int up_blocks = f / 32, down_blocks = (h + 63) / 64, bad = 0;
+    if (f % 256 || h % 256 || n < 0) {
         return -1;
     }
-    if (n == 0) {
-        return 0;
+    (void)threads;
+    /* one team for both phases (a fork and a join a call, the phases apart by the barrier at
+     * the end of the first loop) */
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : bad)
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic)
+#endif
+        for (int task = 0; task < n * up_blocks; task++) {
+            int i = task / up_blocks, b = task % up_blocks;
+            const int8_t *x = xq + (size_t)tok[i] * h;
+            const float *d = xd + (size_t)tok[i] * (h / 32);
+            const float *s = xs + (size_t)tok[i] * (h / 32);
+            bad |= gate_up_q4_k((const uint8_t *)(uintptr_t)gate[i],
+                                (const uint8_t *)(uintptr_t)up[i], gu_row_bytes, h, 32 * b,
+                                32 * b + 32, up_g, x, d, s, hq + (size_t)i * f,
+                                hd + (size_t)i * (f / 32), hs + (size_t)i * (f / 32), NULL) != 0;
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic)
+#endif
+        for (int task = 0; task < n * down_blocks; task++) {
+            int i = task / down_blocks, b = task % down_blocks;
+            int n1 = 64 * b + 64 < h ? 64 * b + 64 : h;
+            bad |= down_rows((const uint8_t *)(uintptr_t)down[i], down_row_bytes[i], q6[i], f,
+                             64 * b, n1, down_g, hq + (size_t)i * f, hd + (size_t)i * (f / 32),
+                             hs + (size_t)i * (f / 32), wt[i], rows + (size_t)i * h) != 0;
+        }
     }
-    _Atomic int *up_done = calloc((size_t)n, sizeof(_Atomic int));
-    if (up_done == NULL) {
-        return -1;
-    }
-    rows_job j = {n, f / 32, (h + 63) / 64, h, f, up_g, down_g, gate, up, down, q6, tok, wt,
-                  gu_row_bytes, down_row_bytes, xq, xd, xs, hq, hd, hs, rows, up_done, 0};
-    pool_run(threads < 1 ? 1 : threads, n * (j.up_blocks + j.down_blocks), rows_task, &j);
-    free(up_done);
-    return atomic_load(&j.bad) ? -1 : 0;
+    return bad ? -1 : 0;
 }
 
 /* One MoE layer's host work for one launch, as a CUDA host function (`cuLaunchHostFunc`: the

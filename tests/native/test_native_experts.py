@@ -245,11 +245,9 @@ def test_moe_host_rows_equal_the_row_functions_at_any_thread_count(threads: int)
         native.moe_host_rows(experts, tokens[:2], weights, xq, xd, xs, 2, 1)
 
 
-@pytest.mark.parametrize("spin_us", [0, 2000])
-def test_the_thread_pool_gives_the_same_rows_from_any_caller_at_any_size(spin_us: int) -> None:
-    """moe_host_rows' pool (workers that sleep at once, or spin first): calls of 1-8 threads
-    and 1-4 assignments, from two Python threads at once (the pool takes one call at a time),
-    each give the rows of one thread, bit for bit."""
+def test_moe_host_rows_give_the_same_rows_from_two_callers_at_any_size() -> None:
+    """moe_host_rows from two Python threads at once (each its own team), calls of 1-8 threads
+    and 1-4 assignments: each gives the rows of one thread, bit for bit."""
     from concurrent.futures import ThreadPoolExecutor
 
     f, h = 256, 256
@@ -268,12 +266,8 @@ def test_the_thread_pool_gives_the_same_rows_from_any_caller_at_any_size(spin_us
         return native.moe_host_rows(experts[:n], tokens, weights, *x, 1, 1, threads=threads)
 
     want = {n: bits(rows(n, 1)) for n in (1, 2, 3, 4)}
-    native.library().native_pool_spin_us(spin_us)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            for _ in range(3):
-                got = list(pool.map(lambda c: (c[0], bits(rows(*c))), calls + calls[::-1]))
-                for n, b in got:
-                    assert np.array_equal(b, want[n]), n
-    finally:
-        native.library().native_pool_spin_us(2000)
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda c: (c[0], bits(rows(*c))), calls + calls[::-1]))
+            for n, b in got:
+                assert np.array_equal(b, want[n]), n

@@ -230,6 +230,52 @@ def test_bucket_for_and_can_run():
         DecodeGraphs(FakeModel().forward, BS, MAX_BLOCKS, "cpu", buckets=(4, 2))
 
 
+def test_capture_runs_with_the_garbage_collector_off(monkeypatch):
+    """CudaGraphBackend.capture (CUDA's calls faked): the warm-up runs with the collector as it
+    was, the captured call with it off (collecting an unreachable graph there would destroy its
+    executable and invalidate the capture), and the collector is on again after, also when the
+    captured call raises."""
+    import contextlib
+    import gc
+
+    from moestream.runner import cuda_graph
+
+    class Graph:
+        def replay(self) -> None:
+            pass
+
+    fake = {
+        "Stream": lambda device: type("S", (), {"wait_stream": lambda self, other: None})(),
+        "stream": lambda s: contextlib.nullcontext(),
+        "current_stream": lambda device: type("S", (), {"wait_stream": lambda self, o: None})(),
+        "CUDAGraph": Graph,
+        "graph": lambda graph, pool, capture_error_mode: contextlib.nullcontext(),
+    }
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    backend = cuda_graph.CudaGraphBackend.__new__(cuda_graph.CudaGraphBackend)
+    backend.device, backend.pool = torch.device("cpu"), None
+    seen = []
+
+    def fn() -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return torch.zeros(1)
+
+    assert gc.isenabled()
+    backend.capture(fn)
+    assert seen == [True, False] and gc.isenabled()
+
+    def fails() -> torch.Tensor:
+        if len(seen) == 3:
+            raise RuntimeError("capture failed")
+        seen.append(gc.isenabled())
+        return torch.zeros(1)
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        backend.capture(fails)
+    assert gc.isenabled()
+
+
 def test_no_graphs_on_cpu():
     """A CPU model cannot be captured: the runner stays eager (and nothing needs CUDA)."""
     from moestream.cli import DEMO_MODEL
