@@ -1140,6 +1140,27 @@ PY
     timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
       --fractions 0.5 --threads 15 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep10.md" | tail -3
     ;;
+  s20a)  # next session: host experts answered by the native poller thread instead of a CUDA
+    # host function (MOESTREAM_HOST_POLL=1; prepared, never run on a GPU): the GPU tests (text
+    # with and without it), the batch-1 profile at 50% both ways (prediction: the GPU's wait a
+    # layer 340 -> 250-290 us), the sweep at 50% and 10% both ways
+    CUDA_LOG_FILE="$out/cudalog.txt" timeout 120 python3 -m pytest \
+      tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short 2>&1 \
+      | tee "$out/gputests.txt" | tail -2
+    synth qwen3-30b-a3b q30
+    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
+    for p in 0 1; do
+      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
+        | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_poll$p.md" | head -8
+      MOESTREAM_HOST_POLL=$p timeout 120 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+        --gpu-expert-cache-gib 8.8 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+        | tee "$out/sweep50_poll$p.md" | tail -2
+      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+        --gpu-expert-cache-gib 1.76 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+        | tee "$out/sweep10_poll$p.md" | tail -2
+    done
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

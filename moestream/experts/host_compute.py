@@ -31,15 +31,29 @@ under the Triton interpreter) `rows` calls `host_layer` directly.
 
 Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
 and the time the host spent on them.
+
+Poll mode (`HostCompute(poll=True)`, or `MOESTREAM_HOST_POLL=1`; prepared, not yet timed on a
+GPU): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the
+H200 (bench/RESULTS.md, fifteenth session), the side stream posts the layer's job by one 8-byte
+store into mapped pinned memory (`_post_kernel`: go = seq << 16 | job, seq from a device
+counter, so graph replays post new numbers) and a one-thread kernel waits for the host's
+done = seq (`_wait_kernel`) before the rows' copy. A thread of `experts.c` (`host_poller`)
+spins on go for `POLL_SPIN_US` after each job, then polls every 20 us, and runs the job's
+`host_layer`. Its errors (a job naming no table entry) and the wait's timeouts (no answer in
+`WAIT_POLLS` reads) make `counters` raise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import weakref
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from moestream import native
 from moestream.kernels.mmvq import Q8Act
@@ -47,6 +61,33 @@ from moestream.kernels.mmvq import Q8Act
 # The largest launch (`kernels.moe.MMVQ_MAX_ASSIGNMENTS`: `ops.moe_forward_addr` runs larger
 # batches in chunks of at most this many assignments).
 MAX_ASSIGNMENTS = 256
+# Poll mode (module docstring): jobs in the poller's table (a layer's launch shapes), the
+# poller's spin after a job, the wait kernel's reads of done before it gives up.
+POLL_JOBS = 4096
+POLL_SPIN_US = 2000
+WAIT_POLLS = 1 << 23
+
+
+@triton.jit
+def _post_kernel(seq_ptr, flags_addr, job):
+    """seq += 1; go = seq << 16 | job (flags: go, done, errors, timeouts)."""
+    s = tl.atomic_add(seq_ptr, 1) + 1
+    flags = flags_addr.to(tl.pointer_type(tl.int64))
+    tl.store(flags, (s << 16) | job)
+
+
+@triton.jit
+def _wait_kernel(seq_ptr, flags_addr, limit):
+    """Until done >= seq, or `limit` reads (then timeouts += 1)."""
+    s = tl.load(seq_ptr)
+    flags = flags_addr.to(tl.pointer_type(tl.int64))
+    done = tl.load(flags + 1, volatile=True)
+    n = 0
+    while (done < s) & (n < limit):
+        done = tl.load(flags + 1, volatile=True)
+        n += 1
+    if done < s:
+        tl.atomic_add(flags + 3, 1)
 
 
 def default_threads() -> int:
@@ -64,10 +105,15 @@ def _cu_launch_host_func() -> Any:
     return fn
 
 
+def _halt(poller: native.HostPoller, *memory: object) -> None:
+    """Stop the poller thread; `memory` (what it reads) lives until then."""
+    poller.halt()
+
+
 class HostCompute:
     """What the layers' host work shares: the buffers, the side stream, threads, the layers."""
 
-    def __init__(self, device: torch.device, threads: int | None = None):
+    def __init__(self, device: torch.device, threads: int | None = None, poll: bool | None = None):
         if threads is not None and threads < 1:
             raise ValueError(f"host expert threads must be >= 1, got {threads}")
         native.library()  # build (or fail with NativeUnavailable) now, not in the first step
@@ -79,6 +125,34 @@ class HostCompute:
         self._fn = native.host_layer_fn()
         self._buffers: dict[str, torch.Tensor] = {}
         self.layers: list[LayerHostWork] = []
+        self.poll = os.environ.get("MOESTREAM_HOST_POLL") == "1" if poll is None else poll
+        if self.poll:
+            # go, done, errors, timeouts: mapped pinned memory the kernels reach by address
+            self._flags = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)
+            self._seq = torch.zeros(1, dtype=torch.int64, device=device)
+            self._table = (ctypes.c_void_p * POLL_JOBS)()
+            self._jobs = 0
+            self._poller = native.HostPoller(
+                flags=self._flags.data_ptr(), table=ctypes.addressof(self._table), n=POLL_JOBS,
+                spin_ns=POLL_SPIN_US * 1000, sleep_ns=20_000,
+            )  # fmt: skip
+            self._poller.start()
+            # the thread stops before the memory it reads goes
+            weakref.finalize(self, _halt, self._poller, self._flags, self._table)
+
+    def post(self, args: native.HostLayerArgs) -> int:
+        """Poll mode: the poller's job number of `args` (kept alive by its layer)."""
+        if self._jobs >= POLL_JOBS:
+            raise RuntimeError(f"the host poller takes at most {POLL_JOBS} launch shapes")
+        self._table[self._jobs] = ctypes.addressof(args)
+        self._jobs += 1
+        return self._jobs - 1
+
+    def post_and_wait(self, job: int) -> None:
+        """Poll mode, on the current stream: post `job`, wait for the host's answer."""
+        flags = self._flags.data_ptr()
+        _post_kernel[(1,)](self._seq, flags, job, num_warps=1)
+        _wait_kernel[(1,)](self._seq, flags, WAIT_POLLS, num_warps=1)
 
     def buffers(self, h: int) -> dict[str, torch.Tensor]:
         """The launch buffers for hidden size h, allocated once at the largest launch."""
@@ -124,6 +198,11 @@ class HostCompute:
     @property
     def counters(self) -> dict[str, float]:
         """Host-function calls, assignments computed, their expert bytes, seconds spent."""
+        if self.poll and (self._flags[2] or self._flags[3]):
+            raise RuntimeError(
+                f"the host poller failed: {int(self._flags[2])} posts named no job, "
+                f"{int(self._flags[3])} waits timed out"
+            )
         out = {"calls": 0, "assignments": 0, "bytes": 0, "compute_s": 0.0}
         for layer in self.layers:
             for args in layer.launch_args():
@@ -148,6 +227,7 @@ class LayerHostWork:
         self.up_groups = up_groups
         self.down_groups = down_groups
         self._args: dict[tuple[int, int], native.HostLayerArgs] = {}  # per launch shape (t, k)
+        self._job: dict[tuple[int, int], int] = {}  # poll mode: the poller's job per shape
         self._pending: tuple[native.HostLayerArgs, dict[str, torch.Tensor], int] | None = None
         compute.layers.append(self)
 
@@ -169,6 +249,8 @@ class LayerHostWork:
                 rows=b["rows"].data_ptr(),
             )  # fmt: skip
             self._args[(t, k)] = args  # kept: a CUDA graph may call host_layer with it
+            if self.compute.poll:
+                self._job[(t, k)] = self.compute.post(args)
         return args
 
     def begin(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, xa: Q8Act) -> None:
@@ -179,7 +261,15 @@ class LayerHostWork:
         b = self.compute.buffers(xa.q.shape[1] * 4)
         args = self._args_for(t, k, b)
         stream = self.compute.stream
-        if stream is None:
+        if self.compute.poll:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.compute.device))
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._read_back(b, topk_ids, topk_weights, xa)
+                self.compute.post_and_wait(self._job[(t, k)])
+                if stream is not None:
+                    b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
+        elif stream is None:
             self._read_back(b, topk_ids, topk_weights, xa)
         else:  # the copies on the side stream too: the current one goes on to the gate/up
             stream.wait_stream(torch.cuda.current_stream(self.compute.device))
@@ -209,6 +299,10 @@ class LayerHostWork:
         if stream is not None:
             torch.cuda.current_stream(self.compute.device).wait_stream(stream)
             return b["rows_dev"][:a]
+        if self.compute.poll:  # answered in begin
+            if args.status:
+                raise RuntimeError("a host expert computation failed (bad shapes)")
+            return b["rows"][:a]
         self.compute.launch(args)
         if args.status:
             raise RuntimeError("a host expert computation failed (bad shapes)")

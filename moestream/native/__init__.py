@@ -96,8 +96,10 @@ def _build() -> ctypes.CDLL:
     errors = []
     features = _cpu_features()
     arch = _arch_flags(features)
-    # threads in moe_host_rows where the compiler has OpenMP; the target where it knows it
-    tries = [[*arch, "-fopenmp"], ["-fopenmp"], arch, []] if arch else [["-fopenmp"], []]
+    # threads in moe_host_rows where the compiler has OpenMP; the target where it knows it;
+    # POSIX threads for the host poller
+    omp = ["-fopenmp", "-pthread"]
+    tries = [[*arch, *omp], omp, [*arch, "-pthread"], ["-pthread"]] if arch else [omp, ["-pthread"]]
     for extra in tries:
         flags = [*FLAGS, *extra]
         key = hashlib.sha256(src + " ".join([cc, *flags, features]).encode()).hexdigest()
@@ -138,6 +140,14 @@ def _build() -> ctypes.CDLL:
     lib.silu_rn_n.restype = None
     lib.host_layer.argtypes = [p]
     lib.host_layer.restype = None
+    lib.host_poller_start.argtypes = [p]
+    lib.host_poller_start.restype = ctypes.c_int
+    lib.host_poller_stop.argtypes = [p]
+    lib.host_poller_stop.restype = None
+    lib.host_poller_size.argtypes = []
+    lib.host_poller_size.restype = ctypes.c_size_t
+    if lib.host_poller_size() != ctypes.sizeof(HostPoller):
+        raise NativeUnavailable("experts.c's host_poller and HostPoller differ in layout")
     return lib
 
 
@@ -160,6 +170,31 @@ class HostLayerArgs(ctypes.Structure):
         ("nanoseconds", ctypes.c_int64),
         ("status", ctypes.c_int32),
     ]
+
+
+class HostPoller(ctypes.Structure):
+    """`experts.c`'s host_poller: a thread that runs host_layer(table[job]) when the GPU posts
+    go = seq << 16 | job in flags[0], then stores done = seq in flags[1] (flags[2]: posts that
+    named no table entry). Set flags, table, n, spin_ns and sleep_ns; then `start`/`stop`."""
+
+    _fields_ = [
+        ("flags", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("spin_ns", ctypes.c_int64),
+        ("sleep_ns", ctypes.c_int64),
+        ("jobs", ctypes.c_int64),
+        ("stop", ctypes.c_int),
+        ("tid", ctypes.c_ulong),
+    ]
+
+    def start(self) -> None:
+        rc = library().host_poller_start(ctypes.byref(self))
+        if rc != 0:
+            raise RuntimeError(f"cannot start the host poller thread (errno {rc})")
+
+    def halt(self) -> None:
+        library().host_poller_stop(ctypes.byref(self))
 
 
 def host_layer_fn() -> int:

@@ -21,12 +21,14 @@
  * c) as `mmvq._acc_q4_k` / `mmvq._acc_q6_k` accumulate them from 0.0, summed by `tree_sum`. The
  * kernel adds the experts' sums in selection order: y = ((0 + T_0) + T_1) + ...
  */
-#define _POSIX_C_SOURCE 199309L
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
-#include <stdlib.h>
-#include <time.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
@@ -740,3 +742,70 @@ void host_layer(void *arg) {
         p->status = -1;
     }
 }
+
+/* ---- a host thread that waits for the GPU instead of a CUDA host function -----------------
+ * The GPU posts a layer's host work by one 8-byte store into mapped pinned memory, go = seq << 16
+ * | job (the job: an index into `table`), after its routing and activations have been copied
+ * there; this thread, spinning on go, runs host_layer(table[job]) and then stores done = seq,
+ * for which a one-thread kernel on the GPU waits before the rows are copied back
+ * (`experts.host_compute`, poll mode). It spins for spin_ns after each job (a decode step's
+ * layers are ~0.3-0.5 ms apart) and then polls every sleep_ns. flags: [go, done, errors]. */
+typedef struct {
+    int64_t *flags;                /* pinned [3]: go, done, errors (jobs naming no table entry) */
+    host_layer_args **table;       /* [n] */
+    int64_t n;
+    int64_t spin_ns, sleep_ns;
+    int64_t jobs;                  /* jobs run */
+    _Atomic int stop;
+    pthread_t tid;
+} host_poller;
+
+static int64_t poll_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void *poller_main(void *arg) {
+    host_poller *p = (host_poller *)arg;
+    /* done, not go: a job posted before this thread first looks is still to run */
+    int64_t last = __atomic_load_n(&p->flags[1], __ATOMIC_ACQUIRE);
+    int64_t idle_since = poll_now_ns();
+    struct timespec nap = {0, (long)p->sleep_ns};
+    while (!atomic_load(&p->stop)) {
+        int64_t go = __atomic_load_n(&p->flags[0], __ATOMIC_ACQUIRE);
+        if (go >> 16 != last) {
+            int64_t job = go & 0xFFFF;
+            if (job < p->n && p->table[job] != NULL) {
+                host_layer(p->table[job]);
+            } else {
+                __atomic_fetch_add(&p->flags[2], 1, __ATOMIC_RELAXED);
+            }
+            last = go >> 16;
+            p->jobs += 1;
+            __atomic_store_n(&p->flags[1], last, __ATOMIC_RELEASE);
+            idle_since = poll_now_ns();
+        } else if (poll_now_ns() - idle_since < p->spin_ns) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            nanosleep(&nap, NULL);
+        }
+    }
+    return NULL;
+}
+
+/* Start the thread on a zeroed poller whose flags, table and n are set; 0 or an errno. */
+int host_poller_start(host_poller *p) {
+    atomic_store(&p->stop, 0);
+    return pthread_create(&p->tid, NULL, poller_main, p);
+}
+
+/* Stop and join it (jobs posted after this are not run). */
+void host_poller_stop(host_poller *p) {
+    atomic_store(&p->stop, 1);
+    pthread_join(p->tid, NULL);
+}
+
+size_t host_poller_size(void) { return sizeof(host_poller); }

@@ -139,3 +139,35 @@ def test_host_computed_experts_need_the_types_the_native_code_reads() -> None:
         ZeroCopyExperts([gate, up, down], 2, "cpu", n_cpu=3, compute=compute)
     with pytest.raises(ValueError, match="threads"):
         HostCompute(torch.device("cpu"), threads=0)
+
+
+def test_poll_mode_gives_the_host_functions_rows_and_reports_a_post_of_no_job() -> None:
+    """Poll mode (a thread of the native code answers the kernels' posts instead of a CUDA host
+    function): a layer's host rows equal those of the host function, bit for bit, twice (the
+    second post of the same job a new sequence number); a post naming no job is answered and
+    counted, and `counters` raise."""
+    from moestream.experts.host_compute import POLL_JOBS
+    from moestream.kernels.mmvq import quantize_q8
+
+    gate, up, down = stacks(3)
+    g = torch.Generator().manual_seed(4)
+    xa = quantize_q8(torch.randn(3, H, generator=g))
+    ids = torch.tensor([[1, 0], [3, 2], [2, 1]])
+    weights = torch.softmax(torch.randn(3, K, generator=g), dim=-1)
+    rows = []
+    for poll in (False, True, True):
+        compute = HostCompute(torch.device("cpu"), threads=2, poll=poll)
+        layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=2, compute=compute)
+        marked = torch.from_numpy(layer.host_marked[ids.flatten().numpy()] != 0)  # 0, 3-5
+        layer.host_work.begin(ids, weights, xa)
+        rows.append(layer.host_work.rows()[marked].clone())
+        if poll:
+            layer.host_work.begin(ids, weights, xa)
+            assert torch.equal(layer.host_work.rows()[marked], rows[-1])
+            assert compute._poller.jobs == 2 and compute.counters["assignments"] == 8
+    assert marked.sum() == 4 and rows[0].abs().max() > 0
+    for got in rows[1:]:
+        assert torch.equal(got.view(torch.int32), rows[0].view(torch.int32))
+    compute.post_and_wait(POLL_JOBS - 1)  # an empty table entry
+    with pytest.raises(RuntimeError, match="1 posts named no job, 0 waits timed out"):
+        _ = compute.counters

@@ -88,3 +88,22 @@ def test_prefill_stage_keeps_the_text() -> None:
             outs.append((list(out.token_ids), [lp.logprob for lp in out.logprobs]))
             assert (zero_copy_snapshot(llm.zero_copy)["stage_copies"] > 0) == stage
         assert outs[1] == outs[0], first_difference((cpu_fraction, "stage"), outs[1:], outs[:1])
+
+
+def test_poll_mode_keeps_the_text(monkeypatch) -> None:
+    """Host experts answered by the native poller thread (`MOESTREAM_HOST_POLL=1`: the kernels
+    post and wait in mapped memory, no CUDA host function) give the tokens and logprobs of the
+    host-function path at the same placement."""
+    layer_bytes, layers = demo_sizes()
+    outs = []
+    for poll in ("0", "1"):
+        monkeypatch.setenv("MOESTREAM_HOST_POLL", poll)
+        llm = hybrid(0.25, 1.0, layer_bytes, layers)
+        assert llm.zero_copy[0].host_work.compute.poll == (poll == "1")
+        outs.append([
+            (list(o.token_ids), [lp.logprob for lp in o.logprobs])
+            for o in llm.generate(PROMPTS, GREEDY)
+        ])  # fmt: skip
+        assert llm.zero_copy[0].host_work.compute.counters["assignments"] > 0
+        del llm
+    assert outs[1] == outs[0], first_difference("poll", outs[1], outs[0])
