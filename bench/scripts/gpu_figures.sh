@@ -158,6 +158,15 @@ synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
 }
+host_gpu_tests() {  # host_gpu_tests N LIMIT: the host-expert GPU tests N times, each with
+  # the driver's error log (CUDA_LOG_FILE), all output into gputests.txt
+  for i in $(seq 1 "$1"); do
+    CUDA_LOG_FILE="$out/cudalog$i.txt" timeout "$2" python3 -m pytest \
+      tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short \
+      > /tmp/r/gputest.txt 2>&1
+    { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
+  done
+}
 # The runs the parts share (each part names what it runs).
 q30() {  # q30 [EXTRA ARGS...]: the 30B's prefill, decode at depths, concurrency
   bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
@@ -1104,12 +1113,7 @@ PY
     # OpenMP's team slept between layers): the GPU tests of host experts twice; the native
     # experts on pinned memory; the batch-1 profile at 50% with 16 and 15 threads (prediction:
     # host call 256 -> 150-190 us, step 25.6 -> 20-22 ms); the CPU share at 50% and at 10%
-    for i in 1 2; do
-      CUDA_LOG_FILE="$out/cudalog$i.txt" timeout 90 python3 -m pytest \
-        tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short \
-        > /tmp/r/gputest.txt 2>&1
-      { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
-    done
+    host_gpu_tests 2 90
     timeout 60 python3 bench/native_experts.py --threads 1,16 --experts 32 --rounds 3 \
       --memory pinned 2>&1 | tee "$out/native.md" | tail -6
     synth qwen3-30b-a3b q30
@@ -1128,12 +1132,7 @@ PY
     # invalidated it: the fresh-machine failure); the host experts' threads one per core less
     # one (16 spinning workers starved the process): GPU tests twice, then the 30B at 50% with
     # 15 and 14 threads and at 10% with 15 (prediction: 50% batch 1 above OpenMP's 65.6)
-    for i in 1 2; do
-      CUDA_LOG_FILE="$out/cudalog$i.txt" timeout 80 python3 -m pytest \
-        tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short \
-        > /tmp/r/gputest.txt 2>&1
-      { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
-    done
+    host_gpu_tests 2 80
     synth qwen3-30b-a3b q30
     timeout 140 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
       --fractions 0.5 --threads 15,14 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep50.md" | tail -5
