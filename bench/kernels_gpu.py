@@ -613,13 +613,16 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     print(f"least summed time: {best} {full[best]}")
 
 
-def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False) -> None:
+def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, chain: bool = False) -> None:
     """The MoE "grouped" path (`moe_grouped`: each expert's weights read once per block of its
     assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
     defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64; `small`: at T = 4, 8, 12
     (where mmvq serves now) with 1-2 assignments a block, and the down kernel's shapes at
-    T = 16, 32 around the default. Prints every row, then the fastest shape per T and the one
+    T = 16, 32 around the default; `chain`: the default shapes with chains of 1, 2, 4 and 8
+    blocks a program at T = 8-64. Prints every row, then the fastest shape per T and the one
     with the least summed time."""
+    from dataclasses import replace
+
     from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config
 
     mix = (T.Q4_K, T.Q6_K)
@@ -637,6 +640,10 @@ def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False) -> None:
         ts = (4, 8, 12, 16, 32)
     configs = [grouped_config(t * TOPK, E) for t in ts if t >= 16]
     configs += [MoeGroupedConfig(**dict(zip(fields, shape))) for shape in shapes]
+    if chain:
+        ts = (8, 16, 32, 64)
+        base = [grouped_config(t * TOPK, E) for t in (16, 64)]
+        configs = [replace(c, chain=n) for c in base for n in (1, 2, 4, 8)]
     times: dict[MoeGroupedConfig, dict[int, float]] = {}
     for t in ts:
         for method in ("mmvq",) if t < 16 else ("mmvq", "mmq"):
@@ -888,6 +895,11 @@ def main() -> int:
         help="the same at T=4..12 (mmvq's range) and the down kernel's shapes at T=16, 32",
     )
     parser.add_argument(
+        "--sweep-moe-chain",
+        action="store_true",
+        help="the grouped path's default shapes with chains of 1-8 blocks a program, T=8..64",
+    )
+    parser.add_argument(
         "--sweep-moe-host",
         action="store_true",
         help="time the MoE mmvq launch shapes on half host-resident (zero-copy) experts",
@@ -923,6 +935,7 @@ def main() -> int:
         (args.sweep_moe_mmq, sweep_moe_mmq),
         (args.sweep_moe_grouped, sweep_moe_grouped),
         (args.sweep_moe_grouped_small, functools.partial(sweep_moe_grouped, small=True)),
+        (args.sweep_moe_chain, functools.partial(sweep_moe_grouped, chain=True)),
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),

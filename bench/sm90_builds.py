@@ -200,7 +200,8 @@ def build_decode(v: Variant) -> Build:
     else:
         kernel = moe_grouped._gate_up_grouped_kernel
         constexprs = dict(F=F, QG=v.qtype, QU=v.qtype, H_GROUPS=H_GROUPS, TOPK=TOPK, G=8,
-                          BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True, PDL=False)  # fmt: skip
+                          BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True, PDL=False,
+                          CHAIN=1)  # fmt: skip
     options = {"num_warps": v.num_warps}
     compiled, log = compile_sm90(kernel, constexprs, DECODE_POINTERS, DECODE_ALIGNED, options)
     regs, stores, loads = _ptxas_report(log)

@@ -1160,6 +1160,14 @@ PY
         | tee "$out/sweep10_poll$p.md" | tail -2
     done
     ;;
+  s20b)  # next session: the grouped MoE with chains of blocks a program (an expert's later
+    # blocks find its rows in the SM's caches; prepared, never run on a GPU): its GPU tests,
+    # then the layer at T = 8-64 with chains of 1-8 (prediction: 2 or 4 -10-25% at T = 32)
+    timeout 200 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -3
+    timeout 300 python3 bench/kernels_gpu.py --sweep-moe-chain 2>&1 | tee "$out/chain.log" \
+      | tail -8
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

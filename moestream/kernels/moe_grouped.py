@@ -57,7 +57,11 @@ class MoeGroupedConfig:
     """Launch shape: `block_m` assignments of one expert per block (1-16, a power of two);
     gate/up: `up_block_n` F rows per program, `up_groups` groups of 256 per K step,
     `up_warps`; down: `down_block_n` H rows, `down_groups`, `down_warps`. Warps are capped so
-    that each lane holds 4 words of a run (`mmvq_once.capped_warps`)."""
+    that each lane holds 4 words of a run (`mmvq_once.capped_warps`). `chain`: a program takes
+    up to `chain` consecutive blocks of one expert, one after the other, so that the later ones
+    find its weight rows in the SM's caches (an expert of 3-4 assignments at 2 a block is read
+    from memory once, not twice); 1: a program a block. A block's bits do not depend on it.
+    Prepared, not yet timed on a GPU (`bench/kernels_gpu.py --sweep-moe-chain`)."""
 
     block_m: int = 4
     up_block_n: int = 8
@@ -66,6 +70,7 @@ class MoeGroupedConfig:
     down_block_n: int = 8
     down_groups: int = 4
     down_warps: int = 1
+    chain: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "up_block_n", "up_groups", "down_block_n", "down_groups"):
@@ -77,6 +82,8 @@ class MoeGroupedConfig:
         for name in ("up_warps", "down_warps"):
             if getattr(self, name) not in (1, 2, 4, 8):
                 raise ValueError(f"MoeGroupedConfig.{name} must be 1, 2, 4 or 8")
+        if self.chain not in (1, 2, 4, 8):
+            raise ValueError(f"MoeGroupedConfig.chain must be 1, 2, 4 or 8, got {self.chain}")
 
 
 # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`python bench/kernels_gpu.py --sweep-moe-grouped`,
@@ -135,19 +142,67 @@ def _block_assignments(pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E,
 
 
 @triton.jit
+def _chain_lead(pid, block_expert_ptr, CHAIN: tl.constexpr):
+    """(whether program pid starts a chain, its block's expert): the blocks of one expert are
+    consecutive; a chain starts at every CHAIN-th of them (all of them at CHAIN 1)."""
+    expert = tl.load(block_expert_ptr + pid)
+    if CHAIN == 1:
+        lead = pid >= 0
+    else:
+        start = pid
+        more = pid > 0
+        while more:  # back to the first block of this expert
+            same = tl.load(block_expert_ptr + tl.maximum(start - 1, 0)) == expert
+            start = tl.where(same, start - 1, start)
+            more = same & (start > 0)
+        lead = (pid - start) % CHAIN == 0
+    return lead, expert
+
+
+@triton.jit
+def _chain_block(pid, c, expert, block_expert_ptr, NB):
+    """Block c of the chain that program pid leads: its index, and whether it is one (inside
+    the blocks, of the chain's expert)."""
+    b = pid + c
+    same = tl.load(block_expert_ptr + tl.minimum(b, NB - 1)) == expert
+    return b, (b < NB) & same
+
+
+@triton.jit
 def _gate_up_grouped_kernel(
     xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
+    A, E, NB, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
+    TOPK: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr,
+):  # fmt: skip
+    """Program (a chain of up to CHAIN blocks of BLOCK_M assignments of one expert, BLOCK_N rows
+    of F): gate and up rows against the assignments' tokens' activations, h = silu(g) * u
+    stored float32 into h [A, F]."""
+    pdl_start(PDL)
+    pid = tl.program_id(0)
+    lead, expert = _chain_lead(pid, block_expert_ptr, CHAIN)
+    if lead:
+        for c in tl.static_range(CHAIN):
+            b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
+            if real:
+                _gate_up_block(b, xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr,
+                               slot_ptr, g_ptr, u_ptr, h_ptr, A, E, stride_xq, stride_xd,
+                               stride_ge, stride_gn, stride_ue, stride_un, F, QG, QU, H_GROUPS,
+                               TOPK, G, BLOCK_M, BLOCK_N, ASM)  # fmt: skip
+
+
+@triton.jit
+def _gate_up_block(
+    pid_b, xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
     A, E, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
     TOPK: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of BLOCK_M assignments of one expert, BLOCK_N rows of F): gate and up
-    rows against the assignments' tokens' activations, h = silu(g) * u stored float32 into
-    h [A, F]."""
-    pdl_start(PDL)
+    """Block pid_b of `_gate_up_grouped_kernel`, this program's BLOCK_N rows of F."""
     slot, assign, valid = _block_assignments(
-        tl.program_id(0), sorted_ptr, block_expert_ptr, slot_ptr, A, E, BLOCK_M
+        pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E, BLOCK_M
     )
     if slot >= 0:
         token = tl.where(valid, assign // TOPK, 0).to(tl.int64)[None, None, :, None]
@@ -173,15 +228,35 @@ def _gate_up_grouped_kernel(
 @triton.jit
 def _down_grouped_kernel(
     hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr, y_ptr,
-    A, E, H, stride_de, stride_dn,
+    A, E, H, NB, stride_de, stride_dn,
     QD: tl.constexpr, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr,
 ):  # fmt: skip
-    """Program (block of BLOCK_M assignments of one expert, BLOCK_N rows of H): the down
-    projection of the assignments' quantized h, times their routing weights, into y [A, H]."""
+    """Program (a chain of up to CHAIN blocks of BLOCK_M assignments of one expert, BLOCK_N rows
+    of H): the down projection of the assignments' quantized h, times their routing weights,
+    into y [A, H]."""
     pdl_start(PDL)
+    pid = tl.program_id(0)
+    lead, expert = _chain_lead(pid, block_expert_ptr, CHAIN)
+    if lead:
+        for c in tl.static_range(CHAIN):
+            b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
+            if real:
+                _down_block(b, hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr,
+                            d_ptr, weights_ptr, y_ptr, A, E, H, stride_de, stride_dn, QD, F, G,
+                            BLOCK_M, BLOCK_N, ASM)  # fmt: skip
+
+
+@triton.jit
+def _down_block(
+    pid_b, hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr,
+    y_ptr, A, E, H, stride_de, stride_dn,
+    QD: tl.constexpr, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Block pid_b of `_down_grouped_kernel`, this program's BLOCK_N rows of H."""
     slot, assign, valid = _block_assignments(
-        tl.program_id(0), sorted_ptr, block_expert_ptr, slot_ptr, A, E, BLOCK_M
+        pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E, BLOCK_M
     )
     if slot >= 0:
         ac = tl.where(valid, assign, 0).to(tl.int64)  # [MB]
@@ -237,10 +312,10 @@ def moe_grouped(
     up_groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
     _gate_up_grouped_kernel[(num_blocks, f // cfg.up_block_n)](
         xa.q, xa.d, xa.s, sorted_ids, block_expert, expert_slot, gate.data, up.data, hidden,
-        a, num_experts, xa.q.stride(0), xa.d.stride(0), gate.data.stride(0),
+        a, num_experts, num_blocks, xa.q.stride(0), xa.d.stride(0), gate.data.stride(0),
         gate.data.stride(1), up.data.stride(0), up.data.stride(1),
         F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=up_groups,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm, CHAIN=cfg.chain,
         num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), up_groups),
         **pdl, **FP_EXACT,
     )  # fmt: skip
@@ -249,9 +324,9 @@ def moe_grouped(
     down_groups = min(cfg.down_groups, triton.next_power_of_2(f // 256))
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, cfg.down_block_n))](
         ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
-        a, num_experts, h, down.data.stride(0), down.data.stride(1),
+        a, num_experts, h, num_blocks, down.data.stride(0), down.data.stride(1),
         QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_block_n, ASM=asm,
+        BLOCK_N=cfg.down_block_n, ASM=asm, CHAIN=cfg.chain,
         num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype), down_groups), **pdl,
         **FP_EXACT,
     )  # fmt: skip

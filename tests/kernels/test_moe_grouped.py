@@ -180,3 +180,26 @@ def test_moe_grouped_bits_do_not_depend_on_gate_up_warps_or_rows(qtypes) -> None
         moe_grouped(x, ids, weights, gate, up, down, slot, out, cfg)
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_chains_of_blocks_keep_every_outputs_bits() -> None:
+    """Programs taking chains of 2 consecutive blocks of one expert (`chain`) give the bits of
+    a program a block: 4 tokens on experts 1 and 3, two blocks of 2 each (a chain over both),
+    then the spare blocks (a chain's second block past the last expert's)."""
+    gate = stacked(T.Q4_K, (S, FF, H), seed=21)
+    up = stacked(T.Q4_K, (S, FF, H), seed=22)
+    down = stacked(T.Q6_K, (S, H, FF), seed=23)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[1, 3], [3, 1], [3, 1], [1, 3]], device=DEVICE)
+    weights = torch.softmax(torch.randn(4, 2, generator=torch.Generator().manual_seed(24)), -1)
+    x = activations(4, H, torch.float32, seed=25)
+    outs = []
+    for chain in (1, 2):
+        out = torch.full((4, H), float("nan"), device=DEVICE)
+        cfg = MoeGroupedConfig(block_m=2, up_block_n=32, down_block_n=32, chain=chain)
+        moe_grouped(x, ids, weights.to(DEVICE), gate, up, down, slot, out, cfg)
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[1], outs[0])
+    with pytest.raises(ValueError, match="chain"):
+        MoeGroupedConfig(chain=3)
