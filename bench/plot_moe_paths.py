@@ -34,6 +34,15 @@ def swept_shape(t: int) -> MoeGroupedConfig:
     return replace(MoeGroupedConfig(), block_m=grouped_config(t * 8, 128).block_m)
 
 
+def logged_shape(label: str) -> MoeGroupedConfig | None:
+    """The grouped shape a sweep row names ("grouped MoeGroupedConfig(block_m=2, ...)"); fields
+    the log predates (`chain`) take their defaults."""
+    if not label.startswith("grouped MoeGroupedConfig("):
+        return None
+    fields = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", label)}
+    return replace(MoeGroupedConfig(), **fields)
+
+
 def read(paths: list[Path]) -> tuple[dict[str, dict[int, list[float]]], dict[int, list[float]]]:
     """(path -> T -> us of each log, T -> floor us of each log) from the sweep logs."""
     times: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -51,7 +60,7 @@ def read(paths: list[Path]) -> tuple[dict[str, dict[int, list[float]]], dict[int
                 name = label.split()[0]
                 if name == "mmvq" and copy_gbs:  # bytes read = us * GB/s
                     floor[t].append(us * float(gbs.replace(",", "")) / copy_gbs)
-            elif label.removesuffix(" (default)") == f"grouped {swept_shape(t)}":
+            elif logged_shape(label.removesuffix(" (default)")) == swept_shape(t):
                 name = "grouped (today's block for T)"
             else:
                 continue

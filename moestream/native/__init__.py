@@ -175,7 +175,7 @@ class HostLayerArgs(ctypes.Structure):
 class HostPoller(ctypes.Structure):
     """`experts.c`'s host_poller: a thread that runs host_layer(table[job]) when the GPU posts
     go = seq << 16 | job in flags[0], then stores done = seq in flags[1] (flags[2]: posts that
-    named no table entry). Set flags, table, n, spin_ns and sleep_ns; then `start`/`stop`."""
+    named no table entry). Set flags, table, n, spin_ns and sleep_ns; then `start`, `halt`."""
 
     _fields_ = [
         ("flags", ctypes.c_void_p),
