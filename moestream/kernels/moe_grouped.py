@@ -142,20 +142,22 @@ def _block_assignments(pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E,
 
 
 @triton.jit
-def _chain_lead(pid, block_expert_ptr, CHAIN: tl.constexpr):
-    """(whether program pid starts a chain, its block's expert): the blocks of one expert are
-    consecutive; a chain starts at every CHAIN-th of them (all of them at CHAIN 1)."""
+def _chain_lead(pid, block_expert_ptr, E, CHAIN: tl.constexpr):
+    """(whether program pid starts a chain, its block's expert): the blocks are sorted by
+    expert (the spare ones, expert E, last), so an expert's first block is found by binary
+    search; a chain starts at every CHAIN-th of its blocks (every block at CHAIN 1)."""
     expert = tl.load(block_expert_ptr + pid)
     if CHAIN == 1:
         lead = pid >= 0
     else:
-        start = pid
-        more = pid > 0
-        while more:  # back to the first block of this expert
-            same = tl.load(block_expert_ptr + tl.maximum(start - 1, 0)) == expert
-            start = tl.where(same, start - 1, start)
-            more = same & (start > 0)
-        lead = (pid - start) % CHAIN == 0
+        lo = pid * 0
+        hi = pid
+        while lo < hi:  # the first block of this expert
+            mid = (lo + hi) // 2
+            below = tl.load(block_expert_ptr + mid) < expert
+            lo = tl.where(below, mid + 1, lo)
+            hi = tl.where(below, hi, mid)
+        lead = ((pid - lo) % CHAIN == 0) & (expert < E)
     return lead, expert
 
 
@@ -181,7 +183,7 @@ def _gate_up_grouped_kernel(
     stored float32 into h [A, F]."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    lead, expert = _chain_lead(pid, block_expert_ptr, CHAIN)
+    lead, expert = _chain_lead(pid, block_expert_ptr, E, CHAIN)
     if lead:
         for c in tl.static_range(CHAIN):
             b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
@@ -237,7 +239,7 @@ def _down_grouped_kernel(
     into y [A, H]."""
     pdl_start(PDL)
     pid = tl.program_id(0)
-    lead, expert = _chain_lead(pid, block_expert_ptr, CHAIN)
+    lead, expert = _chain_lead(pid, block_expert_ptr, E, CHAIN)
     if lead:
         for c in tl.static_range(CHAIN):
             b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
