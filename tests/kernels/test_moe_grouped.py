@@ -182,6 +182,7 @@ def test_moe_grouped_bits_do_not_depend_on_gate_up_warps_or_rows(qtypes) -> None
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="two minutes in the Triton interpreter; runs on a GPU")
 def test_chains_of_blocks_keep_every_outputs_bits() -> None:
     """Programs taking chains of 2 consecutive blocks of one expert (`chain`) give the bits of
     a program a block: 4 tokens on experts 1 and 3, two blocks of 2 each (a chain over both),
@@ -203,3 +204,45 @@ def test_chains_of_blocks_keep_every_outputs_bits() -> None:
     assert torch.equal(outs[1], outs[0])
     with pytest.raises(ValueError, match="chain"):
         MoeGroupedConfig(chain=3)
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 4])
+def test_chains_cover_every_real_block_once_with_its_expert(block_m: int) -> None:
+    """The programs' chains (`_chain_lead`, `_chain_block`, as both grouped kernels take them)
+    over align_blocks' tables for random routings: every block of a real expert is taken by
+    exactly one program, whose chain starts at its expert's first block or a multiple of
+    `chain` after it and holds only that expert's blocks; spare blocks by none."""
+    import triton
+    import triton.language as tl
+
+    from moestream.kernels.moe_align import align_blocks
+
+    @triton.jit
+    def probe(block_expert_ptr, out_ptr, E, NB, CHAIN: tl.constexpr):
+        pid = tl.program_id(0)
+        lead, expert = grouped_module._chain_lead(pid, block_expert_ptr, E, CHAIN)
+        for c in tl.static_range(CHAIN):
+            b, real = grouped_module._chain_block(pid, c, expert, block_expert_ptr, NB)
+            tl.store(out_ptr + pid * CHAIN + c, tl.where(lead & real, b, -1))
+
+    g = torch.Generator().manual_seed(block_m)
+    experts = 6
+    for t in (1, 3, 9):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(t)])
+        ids[: t // 2 + 1, 0] = 4  # one expert of many blocks
+        _, table = align_blocks(ids.to(DEVICE), experts, block_m)
+        table = table.contiguous()
+        nb = table.shape[0]
+        blocks = table.cpu().tolist()
+        for chain in (2, 4, 8):
+            out = torch.empty(nb * chain, dtype=torch.int32, device=DEVICE)
+            probe[(nb,)](table, out, experts, nb, CHAIN=chain)
+            taken = [b for b in out.cpu().tolist() if b >= 0]
+            real = [b for b in range(nb) if blocks[b] < experts]
+            assert sorted(taken) == real, (t, chain, blocks)
+            for pid, chain_blocks in enumerate(out.view(nb, chain).cpu().tolist()):
+                mine = [b for b in chain_blocks if b >= 0]
+                if mine:
+                    first = blocks.index(blocks[pid])
+                    assert mine[0] == pid and (pid - first) % chain == 0
+                    assert {blocks[b] for b in mine} == {blocks[pid]}
