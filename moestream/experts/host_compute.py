@@ -261,22 +261,19 @@ class LayerHostWork:
         b = self.compute.buffers(xa.q.shape[1] * 4)
         args = self._args_for(t, k, b)
         stream = self.compute.stream
-        if self.compute.poll:
+        if stream is None and not self.compute.poll:
+            self._read_back(b, topk_ids, topk_weights, xa)  # `rows` calls host_layer
+        else:  # on the side stream (CUDA): the current one goes on to the gate/up
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(self.compute.device))
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._read_back(b, topk_ids, topk_weights, xa)
-                self.compute.post_and_wait(self._job[(t, k)])
+                if self.compute.poll:
+                    self.compute.post_and_wait(self._job[(t, k)])
+                else:
+                    self.compute.launch(args)
                 if stream is not None:
                     b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
-        elif stream is None:
-            self._read_back(b, topk_ids, topk_weights, xa)
-        else:  # the copies on the side stream too: the current one goes on to the gate/up
-            stream.wait_stream(torch.cuda.current_stream(self.compute.device))
-            with torch.cuda.stream(stream):
-                self._read_back(b, topk_ids, topk_weights, xa)
-                self.compute.launch(args)
-                b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
         self._pending = (args, b, a)
 
     @staticmethod
@@ -299,11 +296,8 @@ class LayerHostWork:
         if stream is not None:
             torch.cuda.current_stream(self.compute.device).wait_stream(stream)
             return b["rows_dev"][:a]
-        if self.compute.poll:  # answered in begin
-            if args.status:
-                raise RuntimeError("a host expert computation failed (bad shapes)")
-            return b["rows"][:a]
-        self.compute.launch(args)
+        if not self.compute.poll:  # poll mode: answered in begin
+            self.compute.launch(args)
         if args.status:
             raise RuntimeError("a host expert computation failed (bad shapes)")
         return b["rows"][:a]
