@@ -1168,6 +1168,26 @@ PY
     timeout 300 python3 bench/kernels_gpu.py --sweep-moe-chain 2>&1 | tee "$out/chain.log" \
       | tail -8
     ;;
+  s21a)  # the host's inputs by one kernel on the current stream before the gate/up (copies
+    # on the side stream waited behind the gate/up's reads of host memory: s20a's idle gaps),
+    # the post at its end in poll mode: GPU tests, the batch-1 profile at 50%, the sweep at
+    # 50% and 10% with and without poll mode (prediction: 50% batch 1 45.6 -> 60-70 with host
+    # functions, 51.9 -> 65-80 polled; 8 requests 82.8 -> 95-120)
+    host_gpu_tests 1 120
+    synth qwen3-30b-a3b q30
+    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
+    for p in 0 1; do
+      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
+        | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_poll$p.md" | head -8
+      MOESTREAM_HOST_POLL=$p timeout 120 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+        --gpu-expert-cache-gib 8.8 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+        | tee "$out/sweep50_poll$p.md" | tail -2
+      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+        --gpu-expert-cache-gib 1.76 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+        | tee "$out/sweep10_poll$p.md" | tail -2
+    done
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

@@ -9,13 +9,16 @@ own bandwidth, so splitting the host-placed experts between the link and the cor
 marks move with the experts when promotion swaps them); every "mmvq" launch of the layer then
 takes a `LayerHostWork` (`kernels.moe_mmvq.HostWork`):
 
-1. `begin`, after x's q8 rounding is queued: a side stream waits for it, copies the routing
-   (ids, weights) and the q8 activations into pinned buffers and runs `experts.c`'s
-   `host_layer` as a CUDA host function (`cuLaunchHostFunc`): it computes every assignment
-   whose expert is marked (`native.moe_host_rows`, the kernels' operation order: the GPU's
-   bits) into a pinned buffer, which the side stream then copies to the device.
-   Meanwhile the current stream runs the gate/up and down of the experts the GPU reads, the
-   down kernel storing each expert's sums apart.
+1. `begin`, after x's q8 rounding is queued: one kernel on the current stream stores the
+   routing (ids, weights) and the q8 activations into pinned buffers (`_pack_kernel`); a side
+   stream waits for it and runs `experts.c`'s `host_layer` as a CUDA host function
+   (`cuLaunchHostFunc`): it computes every assignment whose expert is marked
+   (`native.moe_host_rows`, the kernels' operation order: the GPU's bits) into a pinned
+   buffer, which the side stream then copies to the device. Meanwhile the current stream runs
+   the gate/up and down of the experts the GPU reads, the down kernel storing each expert's
+   sums apart. (The inputs went by copies on the side stream until the sixteenth session;
+   there they waited behind the gate/up's reads of host memory, so the host started when the
+   GPU's experts were done: bench/RESULTS.md.)
 2. `rows`, after the down launch is queued: the current stream waits for the side stream; a
    last kernel, queued next, adds each token's expert sums in order, the host's rows in place
    of its experts' (`moe_mmvq._add_rows_kernel`).
@@ -32,12 +35,12 @@ under the Triton interpreter) `rows` calls `host_layer` directly.
 Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
 and the time the host spent on them.
 
-Poll mode (`HostCompute(poll=True)`, or `MOESTREAM_HOST_POLL=1`; prepared, not yet timed on a
-GPU): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the
-H200 (bench/RESULTS.md, fifteenth session), the side stream posts the layer's job by one 8-byte
-store into mapped pinned memory (`_post_kernel`: go = seq << 16 | job, seq from a device
-counter, so graph replays post new numbers) and a one-thread kernel waits for the host's
-done = seq (`_wait_kernel`) before the rows' copy. A thread of `experts.c` (`host_poller`)
+Poll mode (`HostCompute(poll=True)`, or `MOESTREAM_HOST_POLL=1`): instead of a CUDA host
+function, whose dispatch and return cost ~70-100 us a layer on the H200 (bench/RESULTS.md,
+fifteenth session), the pack kernel ends by posting the layer's job with one 8-byte store into
+mapped pinned memory (go = seq << 16 | job, seq from a device counter, so graph replays post
+new numbers), and in `rows` a one-thread kernel on the current stream waits for the host's
+done = seq (`_wait_kernel`) before the rows' copy: no side stream. A thread of `experts.c` (`host_poller`)
 spins on go for `POLL_SPIN_US` after each job, then polls every 20 us, and runs the job's
 `host_layer`. Its errors (a job naming no table entry) and the wait's timeouts (no answer in
 `WAIT_POLLS` reads) make `counters` raise.
@@ -74,6 +77,35 @@ def _post_kernel(seq_ptr, flags_addr, job):
     s = tl.atomic_add(seq_ptr, 1) + 1
     flags = flags_addr.to(tl.pointer_type(tl.int64))
     tl.store(flags, (s << 16) | job)
+
+
+@triton.jit
+def _copy_to(src, dst_addr, n, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[:n] = src[:n] as DT, dst a host address (mapped pinned memory)."""
+    dst = dst_addr.to(tl.pointer_type(DT))
+    for i in range(0, n, BLOCK):
+        o = i + tl.arange(0, BLOCK)
+        tl.store(dst + o, tl.load(src + o, mask=o < n).to(DT), mask=o < n)
+
+
+@triton.jit
+def _pack_kernel(ids_ptr, w_ptr, xq_ptr, xd_ptr, xs_ptr, ids_addr, w_addr, xq_addr, xd_addr,
+                 xs_addr, a, nq, nd, seq_ptr, flags_addr, job, POST: tl.constexpr,
+                 BLOCK: tl.constexpr):  # fmt: skip
+    """A layer's host inputs (the routing ids and weights of `a` assignments, the q8
+    activations: `nq` words, `nd` scales and as many sums) stored into their pinned buffers by
+    one program; with POST, then go = seq << 16 | job: after every store a barrier, then a
+    release at system scope, so that the poller which sees go sees the inputs."""
+    _copy_to(ids_ptr, ids_addr, a, tl.int64, BLOCK)
+    _copy_to(w_ptr, w_addr, a, tl.float32, BLOCK)
+    _copy_to(xq_ptr, xq_addr, nq, tl.int32, BLOCK)
+    _copy_to(xd_ptr, xd_addr, nd, tl.float32, BLOCK)
+    _copy_to(xs_ptr, xs_addr, nd, tl.float32, BLOCK)
+    if POST:
+        tl.debug_barrier()
+        s = tl.atomic_add(seq_ptr, 1) + 1
+        flags = flags_addr.to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags, (s << 16) | job, sem="release", scope="sys")
 
 
 @triton.jit
@@ -150,9 +182,27 @@ class HostCompute:
 
     def post_and_wait(self, job: int) -> None:
         """Poll mode, on the current stream: post `job`, wait for the host's answer."""
-        flags = self._flags.data_ptr()
-        _post_kernel[(1,)](self._seq, flags, job, num_warps=1)
-        _wait_kernel[(1,)](self._seq, flags, WAIT_POLLS, num_warps=1)
+        _post_kernel[(1,)](self._seq, self._flags.data_ptr(), job, num_warps=1)
+        self.wait()
+
+    def wait(self) -> None:
+        """Poll mode, on the current stream: wait for the answer to the last post."""
+        _wait_kernel[(1,)](self._seq, self._flags.data_ptr(), WAIT_POLLS, num_warps=1)
+
+    def pack(self, b: dict[str, torch.Tensor], ids: torch.Tensor, weights: torch.Tensor,
+             xa: Q8Act, job: int | None) -> None:  # fmt: skip
+        """On the current stream, one kernel: the routing and q8 activations into the pinned
+        buffers `b`, then (poll mode) the post of `job`. Queued before the layer's gate/up:
+        the host starts while the GPU runs its own experts (copies on a side stream waited
+        behind the gate/up's reads of host memory, bench/RESULTS.md, sixteenth session)."""
+        q, d, s = (v.contiguous() for v in (xa.q, xa.d, xa.s))
+        post = job is not None
+        _pack_kernel[(1,)](
+            ids.contiguous(), weights.contiguous(), q, d, s, b["ids"].data_ptr(),
+            b["weights"].data_ptr(), b["xq"].data_ptr(), b["xd"].data_ptr(), b["xs"].data_ptr(),
+            ids.numel(), q.numel(), d.numel(), self._seq if post else ids,
+            self._flags.data_ptr() if post else 0, job or 0, POST=post, BLOCK=1024, num_warps=4,
+        )  # fmt: skip
 
     def buffers(self, h: int) -> dict[str, torch.Tensor]:
         """The launch buffers for hidden size h, allocated once at the largest launch."""
@@ -263,24 +313,20 @@ class LayerHostWork:
         stream = self.compute.stream
         if stream is None and not self.compute.poll:
             self._read_back(b, topk_ids, topk_weights, xa)  # `rows` calls host_layer
-        else:  # on the side stream (CUDA): the current one goes on to the gate/up
-            if stream is not None:
+        else:  # the inputs on the current stream, before the gate/up
+            job = self._job[(t, k)] if self.compute.poll else None
+            self.compute.pack(b, topk_ids, topk_weights, xa, job)
+            if stream is not None and not self.compute.poll:  # a host function, side stream
                 stream.wait_stream(torch.cuda.current_stream(self.compute.device))
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self._read_back(b, topk_ids, topk_weights, xa)
-                if self.compute.poll:
-                    self.compute.post_and_wait(self._job[(t, k)])
-                else:
+                with torch.cuda.stream(stream):
                     self.compute.launch(args)
-                if stream is not None:
                     b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
         self._pending = (args, b, a)
 
     @staticmethod
     def _read_back(b: dict[str, torch.Tensor], ids: torch.Tensor, weights: torch.Tensor,
                    xa: Q8Act) -> None:  # fmt: skip
-        """The routing and q8 activations into the pinned buffers, on the current stream (the
-        sources are freed only after the caller's stream has waited for this one: `rows`)."""
+        """The routing and q8 activations into the buffers (off CUDA, without poll mode)."""
         t, k = ids.shape
         b["ids"][: t * k].view(t, k).copy_(ids, non_blocking=True)
         b["weights"][: t * k].view(t, k).copy_(weights, non_blocking=True)
@@ -293,10 +339,15 @@ class LayerHostWork:
         args, b, a = self._pending
         self._pending = None
         stream = self.compute.stream
-        if stream is not None:
+        if self.compute.poll:  # the current stream waits for the poller's answer
+            self.compute.wait()
+            if stream is not None:
+                b["rows_dev"][:a].copy_(b["rows"][:a], non_blocking=True)
+                return b["rows_dev"][:a]
+        elif stream is not None:
             torch.cuda.current_stream(self.compute.device).wait_stream(stream)
             return b["rows_dev"][:a]
-        if not self.compute.poll:  # poll mode: answered in begin
+        else:
             self.compute.launch(args)
         if args.status:
             raise RuntimeError("a host expert computation failed (bad shapes)")
