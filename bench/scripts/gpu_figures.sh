@@ -1188,6 +1188,20 @@ PY
         | tee "$out/sweep10_poll$p.md" | tail -2
     done
     ;;
+  s21b)  # the grouped MoE's chains (s20b: its GPU tests, the layer at T = 8-64 with chains of
+    # 1-8; prediction 2 or 4 -10-25% at T = 32); then poll mode, now the default, at 25% on
+    # the device (batch 1 and 8) and at 50% with a CPU share of 0.6 (prediction: 25% batch 1
+    # 50.9 -> 55-65, above llama.cpp's 55.9)
+    timeout 120 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
+      -rf 2>&1 | tail -3
+    timeout 170 python3 bench/kernels_gpu.py --sweep-moe-chain 2>&1 | tee "$out/chain.log" \
+      | tail -12
+    synth qwen3-30b-a3b q30
+    timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
+      --fractions 0.5 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep25.md" | tail -2
+    timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.6 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep50_f06.md" | tail -2
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

@@ -35,8 +35,8 @@ under the Triton interpreter) `rows` calls `host_layer` directly.
 Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
 and the time the host spent on them.
 
-Poll mode (`HostCompute(poll=True)`, or `MOESTREAM_HOST_POLL=1`): instead of a CUDA host
-function, whose dispatch and return cost ~70-100 us a layer on the H200 (bench/RESULTS.md,
+Poll mode (the default on CUDA; `MOESTREAM_HOST_POLL=0` or `HostCompute(poll=False)` turns it
+off): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the H200 (bench/RESULTS.md,
 fifteenth session), the pack kernel ends by posting the layer's job with one 8-byte store into
 mapped pinned memory (go = seq << 16 | job, seq from a device counter, so graph replays post
 new numbers), and in `rows` a one-thread kernel on the current stream waits for the host's
@@ -157,7 +157,9 @@ class HostCompute:
         self._fn = native.host_layer_fn()
         self._buffers: dict[str, torch.Tensor] = {}
         self.layers: list[LayerHostWork] = []
-        self.poll = os.environ.get("MOESTREAM_HOST_POLL") == "1" if poll is None else poll
+        if poll is None:  # the default on CUDA (bench/RESULTS.md, sixteenth session)
+            poll = self._cuda and os.environ.get("MOESTREAM_HOST_POLL", "1") != "0"
+        self.poll = poll
         if self.poll:
             # go, done, errors, timeouts: mapped pinned memory the kernels reach by address
             self._flags = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)

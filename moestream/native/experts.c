@@ -749,7 +749,8 @@ void host_layer(void *arg) {
  * there; this thread, spinning on go, runs host_layer(table[job]) and then stores done = seq,
  * for which a one-thread kernel on the GPU waits before the rows are copied back
  * (`experts.host_compute`, poll mode). It spins for spin_ns after each job (a decode step's
- * layers are ~0.3-0.5 ms apart) and then polls every sleep_ns. flags: [go, done, errors,
+ * layers are ~0.3-0.5 ms apart), then polls every sleep_ns, and every millisecond once idle for a
+ * second. flags: [go, done, errors,
  * timeouts] (the last the wait kernel's). */
 typedef struct {
     int64_t *flags;                /* pinned [4]: go, done, errors (jobs naming no table entry) */
@@ -772,7 +773,7 @@ static void *poller_main(void *arg) {
     /* done, not go: a job posted before this thread first looks is still to run */
     int64_t last = __atomic_load_n(&p->flags[1], __ATOMIC_ACQUIRE);
     int64_t idle_since = poll_now_ns();
-    struct timespec nap = {0, (long)p->sleep_ns};
+    struct timespec nap = {0, (long)p->sleep_ns}, long_nap = {0, 1000000};
     while (!atomic_load(&p->stop)) {
         int64_t go = __atomic_load_n(&p->flags[0], __ATOMIC_ACQUIRE);
         if (go >> 16 != last) {
@@ -790,8 +791,8 @@ static void *poller_main(void *arg) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-        } else {
-            nanosleep(&nap, NULL);
+        } else {  /* idle for a second or more (a server between requests): 1 ms naps */
+            nanosleep(poll_now_ns() - idle_since < 1000000000 ? &nap : &long_nap, NULL);
         }
     }
     return NULL;
