@@ -172,9 +172,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="with --expert-zero-copy: the CPU's cores compute this fraction of each layer's "
         "host-placed experts (the GPU reads the rest across the host link), with the GPU's bits, "
-        "as CUDA host functions inside the step (CUDA graphs stay on). Needs Q4_K gate/up, a "
-        "Q4_K or Q6_K down and a C compiler. 0.5 was the fastest share on an H200 with a "
-        "16-core host (bench/RESULTS.md); bench/hybrid_sweep.py measures it for a machine",
+        "answering the step's posts from a thread of their own (CUDA graphs stay on). Needs "
+        "Q4_K gate/up, a Q4_K or Q6_K down and a C compiler. 0.5 was the fastest share on an "
+        "H200 with a 16-core host, 0.6 in one later run at half the experts on the GPU "
+        "(bench/RESULTS.md); bench/hybrid_sweep.py measures it for a machine",
     )
     e.add_argument(
         "--expert-cpu-threads",

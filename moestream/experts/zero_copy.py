@@ -24,8 +24,8 @@ where no placement does better than any other and the noise margin keeps swaps r
 `weights(e)`.
 
 With `n_cpu`, the first `n_cpu` host slots of each layer are computed by the host's cores
-instead of read across the link (`experts.host_compute`: CUDA host functions in the stream, the
-GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
+instead of read across the link (`experts.host_compute`: posts from the stream answered by a host thread,
+or CUDA host functions; the GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
 
 With a prefill stage (`ExpertStage`, `prefill_stage=True` in `attach_zero_copy`), a forward of
 at least `STAGE_MIN_TOKENS` tokens first copies the layer's whole host tier into device memory
@@ -224,7 +224,7 @@ class ZeroCopyExperts:
     def set_cpu_slots(self, n_cpu: int) -> None:
         """Mark the first `n_cpu` host slots for the host's cores instead of the construction's
         count (a layer built with host work, `n_cpu` > 0). The caller has synchronised the
-        device: queued host functions read the marks when they run (as for `rebalance`). CUDA
+        device: queued host work reads the marks when it runs (as for `rebalance`). CUDA
         graphs need no recapture: they read the marks and the address table at every replay."""
         if self.host_work is None:
             raise ValueError("this layer was placed without host-computed experts")
@@ -324,7 +324,7 @@ class ZeroCopyExperts:
     def num_experts(self) -> int:
         return self.expert_addr.shape[1]
 
-    # every expert has a fixed place and host work runs as host functions in the stream: no
+    # every expert has a fixed place and host work is queued in the stream: no
     # host sync per forward (CUDA graphs capture it)
     fully_resident = True
 
