@@ -36,19 +36,19 @@ Counters (`HostCompute.counters`): host-function calls, assignments computed, th
 and the time the host spent on them.
 
 Poll mode (the default on CUDA; `MOESTREAM_HOST_POLL=0` or `HostCompute(poll=False)` turns it
-off): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the H200 (bench/RESULTS.md,
-fifteenth session), the pack kernel ends by posting the layer's job with one 8-byte store into
-mapped pinned memory (go = seq << 16 | job, seq from a device counter, so graph replays post
-new numbers), and in `rows` a one-thread kernel on the current stream waits for the host's
-done = seq (`_wait_kernel`) before the rows' copy: no side stream. A thread of `experts.c` (`host_poller`)
-spins on go for `POLL_SPIN_US` after each job, then polls every 20 us, and runs the job's
-`host_layer`. Its errors (a job naming no table entry) and the wait's timeouts (no answer in
-`WAIT_POLLS` reads) make `counters` raise.
+off): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the
+H200 (bench/RESULTS.md, fifteenth session), the pack kernel ends by posting the layer's job with
+one 8-byte store into mapped pinned memory (go = seq << 16 | job, seq from a device counter, so
+graph replays post new numbers), and in `rows` a one-thread kernel on the current stream waits
+for the host's done = seq (`_wait_kernel`) before the rows' copy: no side stream. A thread of
+`experts.c` (`host_poller`) spins on go for `POLL_SPIN_US` after each job, then polls every 20
+us (every millisecond once idle for a second), and runs the job's `host_layer`. Its errors (a
+job naming no table entry) and the wait's timeouts (no answer in `WAIT_POLLS` reads) make
+`counters` raise.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import weakref

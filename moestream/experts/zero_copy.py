@@ -24,8 +24,9 @@ where no placement does better than any other and the noise margin keeps swaps r
 `weights(e)`.
 
 With `n_cpu`, the first `n_cpu` host slots of each layer are computed by the host's cores
-instead of read across the link (`experts.host_compute`: posts from the stream answered by a host thread,
-or CUDA host functions; the GPU's bits); an expert promoted out of such a slot leaves it to the one demoted into it.
+instead of read across the link (`experts.host_compute`: posts from the stream answered by a
+host thread, or CUDA host functions; the GPU's bits); an expert promoted out of such a slot
+leaves it to the one demoted into it.
 
 With a prefill stage (`ExpertStage`, `prefill_stage=True` in `attach_zero_copy`), a forward of
 at least `STAGE_MIN_TOKENS` tokens first copies the layer's whole host tier into device memory
