@@ -3,12 +3,16 @@ counts, one model load: which share of the host-placed experts the host's cores 
 
     python bench/hybrid_sweep.py MODEL.gguf --gpu-expert-cache-gib 8.8 \\
         [--host-expert-cache-gib 24] [--fractions 0,0.33,0.5,0.67] [--threads 16] \\
-        [--batches 1,8] [--tokens 32] [--rounds 3]
+        [--batches 1,8] [--tokens 32] [--rounds 3] [--modes poll,host]
 
 The model is placed once with every host slot marked for the host (`--expert-cpu-fraction
 1`); each arm then re-marks the first share of each layer's host slots
 (`ZeroCopyExperts.set_cpu_slots`) and sets the threads (`HostCompute.set_threads`); CUDA graphs
-read both at every replay, so no arm recaptures. The arms run in turn, `--rounds` times. An
+read both at every replay, so no arm recaptures. `--modes poll,host` also puts the host's two
+ways of answering side by side (`HostCompute.set_poll`: the poller thread, CUDA host
+functions); a change of mode drops the captured graphs and warms up again before any timing.
+The arms run in turn (modes alternating their order each round), `--rounds` times; each arm's
+rate is printed when measured, so a run cut short keeps what it measured. An
 arm's decode rate at batch B: B greedy requests of N + 2 tokens (fresh random 32-token
 prompts, so no prefix is reused) are stepped until each has its first two tokens (the
 prefill's and one decoded untimed, as `moestream bench` times decode), then the clock runs over
@@ -52,6 +56,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--modes", default=None,
+        help="poll,host: both ways of answering the GPU's posts side by side (default: the "
+        "default mode only)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     llm = LLM(
@@ -64,6 +73,9 @@ def main() -> int:
     compute = layers[0].host_work.compute  # type: ignore[union-attr]
     host_slots = layers[0].num_experts - layers[0].n_device
     threads = args.threads or [compute.threads]
+    modes = args.modes.split(",") if args.modes else ["poll" if compute.poll else "host"]
+    if not set(modes) <= {"poll", "host"}:
+        raise SystemExit(f"--modes: poll and/or host, got {args.modes}")
     vocab = llm.config.vocab_size
     rng = np.random.default_rng(0)
 
@@ -97,23 +109,38 @@ def main() -> int:
         return (sum(got.values()) - before) / seconds
 
     arms = [(f, n) for f in args.fractions for n in threads]
-    rates: dict[tuple[float, int, int], list[float]] = {}
-    for b in args.batches:  # warm-up: graphs of every batch captured, kernels compiled
-        decode_rate(b)
+    rates: dict[tuple[str, float, int, int], list[float]] = {}
+
+    def set_mode(mode: str) -> None:
+        """The mode, its graphs captured and kernels compiled before any timing."""
+        sync()
+        if compute.poll != (mode == "poll"):
+            compute.set_poll(mode == "poll")
+            llm.engine.runner.drop_graphs()
+        for b in args.batches:
+            decode_rate(b)
+
     for r in range(args.rounds):
-        for f, n in arms if r % 2 == 0 else reversed(arms):
-            sync()
-            for layer in layers:
-                layer.set_cpu_slots(round(f * host_slots))
-            compute.set_threads(n)
-            for b in args.batches:
-                rates.setdefault((f, n, b), []).append(decode_rate(b))
+        for mode in modes if r % 2 == 0 else reversed(modes):
+            set_mode(mode)
+            for f, n in arms if r % 2 == 0 else reversed(arms):
+                sync()
+                for layer in layers:
+                    layer.set_cpu_slots(round(f * host_slots))
+                compute.set_threads(n)
+                for b in args.batches:
+                    rate = decode_rate(b)
+                    rates.setdefault((mode, f, n, b), []).append(rate)
+                    print(f"round {r}: {mode} share {f:g}, {n} threads, batch {b}: "
+                          f"{rate:.1f} tok/s", flush=True)  # fmt: skip
     print(f"{host_slots} host slots a layer of {layers[0].num_experts}; "
           f"{args.tokens} tokens, {args.rounds} rounds")  # fmt: skip
-    print("\n| CPU share of host slots | threads | batch | decode tok/s (median) | min-max |")
-    print("|---|---|---|---|---|")
-    for (f, n, b), v in rates.items():
-        print(f"| {f:g} | {n} | {b} | {statistics.median(v):.1f} | {min(v):.1f}-{max(v):.1f} |")
+    head = "| mode | CPU share of host slots | threads | batch | decode tok/s (median) | min-max |"
+    print("\n" + head)
+    print("|---|---|---|---|---|---|")
+    for (mode, f, n, b), v in sorted(rates.items(), key=lambda kv: kv[0][3]):
+        print(f"| {mode} | {f:g} | {n} | {b} | {statistics.median(v):.1f} | "
+              f"{min(v):.1f}-{max(v):.1f} |")  # fmt: skip
     return 0
 
 

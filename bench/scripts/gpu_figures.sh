@@ -1202,6 +1202,18 @@ PY
     timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
       --fractions 0.6 --batches 1,8 --tokens 64 2>&1 | tee "$out/sweep50_f06.md" | tail -2
     ;;
+  s22a)  # next session: poll mode and host functions side by side in one process (the
+    # sweep's --modes; graphs dropped and recaptured at each change) at 25% and 50% on the
+    # device, shares 0.5 and 0.6 (sixteenth session: 25% settled nothing, 28-52 tok/s).
+    # Each arm prints as measured: a cut run keeps what it measured
+    synth qwen3-30b-a3b q30
+    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
+      --fractions 0.5,0.6 --modes poll,host --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep25_modes.md" | tail -10
+    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.5,0.6 --modes poll,host --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep50_modes.md" | tail -10
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

@@ -159,11 +159,18 @@ class HostCompute:
         self.layers: list[LayerHostWork] = []
         if poll is None:  # the default on CUDA (bench/RESULTS.md, sixteenth session)
             poll = self._cuda and os.environ.get("MOESTREAM_HOST_POLL", "1") != "0"
-        self.poll = poll
-        if self.poll:
+        self.poll = False
+        self._poller: native.HostPoller | None = None
+        self.set_poll(poll)
+
+    def set_poll(self, poll: bool) -> None:
+        """Poll mode on or off (the poller thread starts at the first "on"). Captured graphs
+        hold the mode's nodes: the caller has synchronised the device and drops them
+        (`DecodeGraphs.drop`); benchmarks put both modes side by side in one process."""
+        if poll and self._poller is None:
             # go, done, errors, timeouts: mapped pinned memory the kernels reach by address
             self._flags = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)
-            self._seq = torch.zeros(1, dtype=torch.int64, device=device)
+            self._seq = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._table = (ctypes.c_void_p * POLL_JOBS)()
             self._jobs = 0
             self._poller = native.HostPoller(
@@ -173,6 +180,7 @@ class HostCompute:
             self._poller.start()
             # the thread stops before the memory it reads goes
             weakref.finalize(self, _halt, self._poller, self._flags, self._table)
+        self.poll = poll
 
     def post(self, args: native.HostLayerArgs) -> int:
         """Poll mode: the poller's job number of `args` (kept alive by its layer)."""
@@ -250,7 +258,7 @@ class HostCompute:
     @property
     def counters(self) -> dict[str, float]:
         """Host-function calls, assignments computed, their expert bytes, seconds spent."""
-        if self.poll and (self._flags[2] or self._flags[3]):
+        if self._poller is not None and (self._flags[2] or self._flags[3]):
             raise RuntimeError(
                 f"the host poller failed: {int(self._flags[2])} posts named no job, "
                 f"{int(self._flags[3])} waits timed out"
@@ -301,8 +309,8 @@ class LayerHostWork:
                 rows=b["rows"].data_ptr(),
             )  # fmt: skip
             self._args[(t, k)] = args  # kept: a CUDA graph may call host_layer with it
-            if self.compute.poll:
-                self._job[(t, k)] = self.compute.post(args)
+        if self.compute.poll and (t, k) not in self._job:
+            self._job[(t, k)] = self.compute.post(args)
         return args
 
     def begin(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, xa: Q8Act) -> None:

@@ -236,6 +236,12 @@ class DecodeGraphs:
         # Set after each host -> device copy: the host mirror may be rewritten once it is done.
         self._copied = torch.cuda.Event() if cuda else None
 
+    def drop(self) -> None:
+        """Forget every captured graph (the next steps capture anew): for a change that the
+        graphs hold as nodes, such as `HostCompute.set_poll`. The caller has synchronised."""
+        self._graphs.clear()
+        self._last_short.clear()
+
     @property
     def captured(self) -> tuple[int, ...]:
         """Decode buckets captured so far, in increasing order."""

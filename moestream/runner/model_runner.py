@@ -182,6 +182,14 @@ class ModelRunner:
         n = self.graphs.num_captured if self.graphs is not None else 0
         return n + (self.prefill_graphs.num_captured if self.prefill_graphs is not None else 0)
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph, decode, verify and prefill; later steps capture anew
+        (after a change the graphs hold as nodes: `HostCompute.set_poll`). The caller has
+        synchronised the device and no step is queued ahead."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.drop()
+
     def prepare(self, plan: StepPlan) -> StepInputs:
         """Flatten the plan's requests into one batch (StepPlan's runner contract)."""
         return build_step_inputs(plan, self.block_size, self.device)

@@ -113,6 +113,10 @@ class PrefillGraphs:
         # bucket -> (replay, static logits [1, V])
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
 
+    def drop(self) -> None:
+        """Forget every captured graph (as `DecodeGraphs.drop`)."""
+        self._graphs.clear()
+
     @property
     def captured(self) -> tuple[int, ...]:
         """Buckets captured so far, in increasing order."""

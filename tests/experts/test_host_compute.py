@@ -165,6 +165,12 @@ def test_poll_mode_gives_the_host_functions_rows_and_reports_a_post_of_no_job() 
             layer.host_work.begin(ids, weights, xa)
             assert torch.equal(layer.host_work.rows()[marked], rows[-1])
             assert compute._poller.jobs == 2 and compute.counters["assignments"] == 8
+    # one compute switched both ways (`set_poll`, benchmarks' side-by-side arms): the same rows
+    for poll in (False, True):
+        compute.set_poll(poll)
+        layer.host_work.begin(ids, weights, xa)
+        rows.append(layer.host_work.rows()[marked].clone())
+    assert compute._poller.jobs == 3
     assert marked.sum() == 4 and rows[0].abs().max() > 0
     for got in rows[1:]:
         assert torch.equal(got.view(torch.int32), rows[0].view(torch.int32))

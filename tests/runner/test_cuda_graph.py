@@ -143,6 +143,21 @@ def test_run_decode_from_host_lists_matches_eager():
     assert backend.captures == len(graphs.captured_decode) >= 4
 
 
+def test_dropped_graphs_are_captured_anew_and_replay_the_same_logits():
+    """`drop` (for a change the graphs hold as nodes) forgets every graph: the next step of a
+    bucket captures again, and its logits are the eager ones as before."""
+    model, backend = FakeModel(), RecomputeBackend()
+    graphs = DecodeGraphs(model.forward, BS, MAX_BLOCKS, "cpu", backend=backend)
+    inputs = decode_inputs(3, seed=1)
+    first = graphs.run(*inputs).clone()
+    graphs.run(*inputs)
+    assert backend.captures == 1 and graphs.captured == (4,)
+    graphs.drop()
+    assert graphs.num_captured == 0 and graphs.captured == ()
+    assert torch.equal(graphs.run(*inputs), first)
+    assert backend.captures == 2 and graphs.captured == (4,)
+
+
 def test_decode_graphs_per_context_class():
     """A decode step whose contexts all fit SHORT_DECODE_CONTEXT replays the bucket's short
     graph (its metadata bounds seq_lens, so attention keeps the least split count); a longer
