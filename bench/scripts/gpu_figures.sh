@@ -1214,6 +1214,15 @@ PY
       --fractions 0.5,0.6 --modes poll,host --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep50_modes.md" | tail -10
     ;;
+  s22b)  # next session: who takes the host's cores at 50% (poll mode): the CUDA context's wait
+    # (auto spins on a core beside the 16 OpenMP threads) against a blocking wait, and 16
+    # threads against 15 (prediction: block or 15 threads narrows batch 1's spread, 42-70 in
+    # s21a, and lifts its median 5-15%)
+    synth qwen3-30b-a3b q30
+    timeout 300 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.6 --threads 16,15 --sync auto,block --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep50_sync.md" | tail -10
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
