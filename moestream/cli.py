@@ -149,6 +149,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "least recently used, or least frequently used",
     )
     e.add_argument(
+        "--expert-direct-io",
+        action="store_true",
+        help="read streamed experts from the file with O_DIRECT, past the page cache, so that "
+        "every miss of the host tier is a disk read (measuring the disk tier; a filesystem "
+        "that refuses O_DIRECT gets buffered reads, and the bench's experts section says which)",
+    )
+    e.add_argument(
         "--expert-zero-copy",
         action="store_true",
         help="fixed placement instead of streaming: the experts that fit "
@@ -398,6 +405,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "expert_cpu_fraction": args.expert_cpu_fraction,
         "expert_cpu_threads": args.expert_cpu_threads,
         "expert_prefill_stage": args.expert_prefill_stage,
+        "expert_direct_io": args.expert_direct_io,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,
         "gpu_expert_cache_gib": args.gpu_expert_cache_gib,

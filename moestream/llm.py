@@ -129,7 +129,8 @@ class LLM:
     host's cores (`expert_cpu_threads`; `experts.host_compute`) instead of read across the
     host link, and `expert_prefill_stage` keeps one layer's host tier of device memory (out of
     `gpu_expert_cache_gib`) into which forwards of 64 tokens or more copy each layer's host
-    experts before reading them (`experts.zero_copy.ExpertStage`). `weight_cache_gib` keeps
+    experts before reading them (`experts.zero_copy.ExpertStage`). `expert_direct_io` reads
+    streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
     results are unchanged. On the CPU it keeps copies in the model's dtype for every matmul
@@ -163,6 +164,7 @@ class LLM:
         expert_cpu_fraction: float = 0.0,
         expert_cpu_threads: int | None = None,
         expert_prefill_stage: bool = False,
+        expert_direct_io: bool = False,
         weight_cache_gib: float | None = None,
     ):
         spec = spec_config(model, speculative, draft_model, num_speculative_tokens)
@@ -197,6 +199,10 @@ class LLM:
             raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
         if expert_prefill_stage and not expert_zero_copy:
             raise RequestError("expert_prefill_stage needs expert_zero_copy")
+        if expert_direct_io and (expert_zero_copy or not budgets.streaming):
+            raise RequestError(
+                "expert_direct_io needs streamed experts (gpu_expert_cache_gib, no zero-copy)"
+            )
         if expert_zero_copy:
             # Device slots and pinned host memory, read in place (no streaming); hot experts
             # move to the device between steps (`rebalance_experts`).
@@ -208,8 +214,9 @@ class LLM:
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.
             self.expert_store = build_expert_store(
-                self.source, self.config, budgets, self.device, policy=expert_policy
-            )
+                self.source, self.config, budgets, self.device, policy=expert_policy,
+                direct=expert_direct_io,
+            )  # fmt: skip
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             attach_expert_store(self.model, self.expert_store)
         else:

@@ -1223,6 +1223,21 @@ PY
       --fractions 0.6 --threads 16,15 --sync auto,block --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep50_sync.md" | tail -10
     ;;
+  s22c)  # next session: issue #7's "rest on disk" figures (never run on the H200): the 30B
+    # streamed by the expert store with no host tier, every miss an O_DIRECT read of the file
+    # (--expert-direct-io: the page cache bypassed on every read, not once), at 50% and 25%
+    # of the experts on the device, batch 1 and 8 requests; the store's counters (hit rates,
+    # disk bytes, stall per token) come with each JSON. Prediction: disk-bound, 2-8 tok/s at
+    # 50% (uniform routing misses ~4 experts a layer, ~0.3 GB a token from the disk)
+    synth qwen3-30b-a3b q30
+    df -h /tmp | tail -1
+    for g in 8.8 4.4; do
+      bench "disk_g$g" 200 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
+        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 1,8 \
+        --concurrency-prompt 32
+    done
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8

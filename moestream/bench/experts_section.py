@@ -34,7 +34,11 @@ class ExpertsSection:
             return {"counters": zero_copy_snapshot(zero_copy), "budgets": budgets}
         if store is None:
             return None
-        return {"counters": store.counters.snapshot(), "budgets": _budgets(ctx.llm)}
+        return {
+            "counters": store.counters.snapshot(),
+            "budgets": _budgets(ctx.llm),
+            "direct_io": store.reader.direct_active,  # O_DIRECT reads (else the page cache's)
+        }
 
     def metrics(self, data: dict[str, Any]) -> list[Metric]:
         from moestream.bench.runner import Metric

@@ -210,3 +210,34 @@ def test_drop_page_cache_evicts_the_files_pages(tmp_path: Path) -> None:
     assert resident_pages(path) < before // 4
     with pytest.raises(ExpertReadError, match="missing.gguf: cannot open"):
         drop_page_cache(tmp_path / "missing.gguf")
+
+
+def test_llm_direct_io_reaches_the_reader_and_needs_streamed_experts(source, monkeypatch) -> None:
+    """`LLM(expert_direct_io=True)` (`--expert-direct-io`) opens the store's reader with
+    O_DIRECT and keeps the text of resident experts; without streamed experts it is refused."""
+    from moestream.errors import RequestError
+    from moestream.experts import store as store_module
+    from moestream.llm import LLM
+
+    asked: list[bool] = []
+
+    class Recording(ExpertFileReader):
+        def __init__(self, layout, path=None, direct=False):
+            asked.append(direct)
+            super().__init__(layout, path, direct)
+
+    monkeypatch.setattr(store_module, "ExpertFileReader", Recording)
+    layout = layout_of(source)
+    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = ["def fibonacci(n):\n"]
+    want = LLM(DEMO, device="cpu").generate(prompt, greedy)[0].token_ids
+    llm = LLM(DEMO, device="cpu", gpu_expert_cache_gib=3 * per_slot / GIB, expert_direct_io=True)
+    try:
+        assert asked == [True]
+        assert llm.generate(prompt, greedy)[0].token_ids == want
+        assert llm.expert_store.counters.snapshot()["bytes_from_disk"] > 0
+    finally:
+        llm.expert_store.close()
+    with pytest.raises(RequestError, match="expert_direct_io needs streamed experts"):
+        LLM(DEMO, device="cpu", expert_direct_io=True)
