@@ -64,9 +64,11 @@ from moestream.kernels.mmvq import Q8Act
 # The largest launch (`kernels.moe.MMVQ_MAX_ASSIGNMENTS`: `ops.moe_forward_addr` runs larger
 # batches in chunks of at most this many assignments).
 MAX_ASSIGNMENTS = 256
-# Poll mode (module docstring): jobs in the poller's table (a layer's launch shapes), the
-# poller's spin after a job, the wait kernel's reads of done before it gives up.
-POLL_JOBS = 4096
+# Poll mode (module docstring): jobs in the poller's table (a layer's launch shapes: up to
+# MAX_ASSIGNMENTS / k token counts a layer, 64 x 94 layers for a top-4 model of 94; the post's
+# 16-bit job field holds them all), the poller's spin after a job, the wait kernel's reads of
+# done before it gives up.
+POLL_JOBS = 1 << 16
 POLL_SPIN_US = 2000
 WAIT_POLLS = 1 << 23
 
