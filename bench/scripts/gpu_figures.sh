@@ -167,6 +167,21 @@ host_gpu_tests() {  # host_gpu_tests N LIMIT: the host-expert GPU tests N times,
     { echo "== run $i"; cat /tmp/r/gputest.txt; } >> "$out/gputests.txt"; tail -1 /tmp/r/gputest.txt
   done
 }
+poll_ab() {  # poll_ab: host functions, then poll mode, each in its own process: the batch-1
+  # profile at 50% on the device (CPU share 0.5), the sweep at 50% and at 10%
+  local p prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+    --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
+  for p in 0 1; do
+    MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_poll$p.md" | head -8
+    MOESTREAM_HOST_POLL=$p timeout 120 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+      --gpu-expert-cache-gib 8.8 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep50_poll$p.md" | tail -2
+    MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
+      --gpu-expert-cache-gib 1.76 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep10_poll$p.md" | tail -2
+  done
+}
 # The runs the parts share (each part names what it runs).
 q30() {  # q30 [EXTRA ARGS...]: the 30B's prefill, decode at depths, concurrency
   bench q30 300 /tmp/q30.gguf --device cuda --kv-cache-gib 24 --prompt-lens 512,4096 \
@@ -1147,18 +1162,7 @@ PY
       tests/experts/test_host_compute_gpu.py -q -p no:cacheprovider --tb=short 2>&1 \
       | tee "$out/gputests.txt" | tail -2
     synth qwen3-30b-a3b q30
-    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
-      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
-    for p in 0 1; do
-      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
-        | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_poll$p.md" | head -8
-      MOESTREAM_HOST_POLL=$p timeout 120 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
-        --gpu-expert-cache-gib 8.8 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
-        | tee "$out/sweep50_poll$p.md" | tail -2
-      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
-        --gpu-expert-cache-gib 1.76 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
-        | tee "$out/sweep10_poll$p.md" | tail -2
-    done
+    poll_ab
     ;;
   s20b)  # next session: the grouped MoE with chains of blocks a program (an expert's later
     # blocks find its rows in the SM's caches; prepared, never run on a GPU): its GPU tests,
@@ -1175,18 +1179,7 @@ PY
     # functions, 51.9 -> 65-80 polled; 8 requests 82.8 -> 95-120)
     host_gpu_tests 1 120
     synth qwen3-30b-a3b q30
-    prof=(/tmp/q30.gguf --device cuda --steps 8 --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
-      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.5)
-    for p in 0 1; do
-      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/profile_decode.py "${prof[@]}" 2>&1 \
-        | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_poll$p.md" | head -8
-      MOESTREAM_HOST_POLL=$p timeout 120 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
-        --gpu-expert-cache-gib 8.8 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
-        | tee "$out/sweep50_poll$p.md" | tail -2
-      MOESTREAM_HOST_POLL=$p timeout 100 python3 bench/hybrid_sweep.py /tmp/q30.gguf \
-        --gpu-expert-cache-gib 1.76 --fractions 0.5 --batches 1,8 --tokens 64 2>&1 \
-        | tee "$out/sweep10_poll$p.md" | tail -2
-    done
+    poll_ab
     ;;
   s21b)  # the grouped MoE's chains (s20b: its GPU tests, the layer at T = 8-64 with chains of
     # 1-8; prediction 2 or 4 -10-25% at T = 32); then poll mode, now the default, at 25% on
