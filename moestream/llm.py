@@ -238,6 +238,9 @@ class LLM:
         )
         if self.zero_copy and expert_rebalance_steps:
             self.engine.every(expert_rebalance_steps, self.rebalance_experts)
+        host_work = next((p.host_work for p in self.zero_copy if p.host_work), None)
+        if host_work is not None:  # a step whose host rows went wrong fails
+            self.engine.runner.checks.append(host_work.compute.check)
         if enforce_eager:  # no CUDA graphs for decode or verify steps (runner/cuda_graph.py)
             self.engine.runner.graphs = None
         # Batch-invariant GPU kernels (kernels/ops.py); the CPU reference is invariant already.

@@ -43,8 +43,8 @@ graph replays post new numbers), and in `rows` a one-thread kernel on the curren
 for the host's done = seq (`_wait_kernel`) before the rows' copy: no side stream. A thread of
 `experts.c` (`host_poller`) spins on go for `POLL_SPIN_US` after each job, then polls every 20
 us (every millisecond once idle for a second), and runs the job's `host_layer`. Its errors (a
-job naming no table entry) and the wait's timeouts (no answer in `WAIT_POLLS` reads) make
-`counters` raise.
+job naming no table entry) and the wait's timeouts (no answer in `WAIT_POLLS` reads) fail the
+step that read those rows (`check`, called after every step: `ModelRunner.checks`).
 """
 
 from __future__ import annotations
@@ -172,6 +172,7 @@ class HostCompute:
         if poll and self._poller is None:
             # go, done, errors, timeouts: mapped pinned memory the kernels reach by address
             self._flags = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)
+            self._flags_np = self._flags.numpy()  # the same memory, read without torch
             self._seq = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._table = (ctypes.c_void_p * POLL_JOBS)()
             self._jobs = 0
@@ -257,14 +258,26 @@ class HostCompute:
             for args in layer.launch_args():
                 args.threads = threads
 
+    def check(self) -> None:
+        """Raise if the poller answered a post that named no job or a wait gave up since the
+        last check (the rows of that step are not the host's): called after every step's
+        results are read (`ModelRunner.checks`), so that the step fails instead of
+        returning them. The counts are cleared: later steps run again."""
+        if self._poller is None:
+            return
+        flags = self._flags_np
+        bad, late = int(flags[2]), int(flags[3])
+        if bad or late:
+            flags[2] = flags[3] = 0
+            raise RuntimeError(
+                f"the host experts' poller failed: {bad} posts named no job, {late} waits "
+                f"for the host's rows timed out"
+            )
+
     @property
     def counters(self) -> dict[str, float]:
         """Host-function calls, assignments computed, their expert bytes, seconds spent."""
-        if self._poller is not None and (self._flags[2] or self._flags[3]):
-            raise RuntimeError(
-                f"the host poller failed: {int(self._flags[2])} posts named no job, "
-                f"{int(self._flags[3])} waits timed out"
-            )
+        self.check()
         out = {"calls": 0, "assignments": 0, "bytes": 0, "compute_s": 0.0}
         for layer in self.layers:
             for args in layer.launch_args():

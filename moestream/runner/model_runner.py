@@ -20,7 +20,7 @@ request's prompt chunk as a prefill graph (runner/prefill_graph.py), others eage
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -169,6 +169,9 @@ class ModelRunner:
         self._ahead: RunAhead | None = None
         self.run_ahead_hits = 0  # steps whose forward was already queued when planned
         self.run_ahead_dropped = 0  # queued steps that the next plan did not match
+        # Called after each step's results are on the host, before they are returned: a check
+        # that raises fails the step (the host experts' poller: `HostCompute.check`).
+        self.checks: list[Callable[[], None]] = []
 
     @property
     def has_queued_step(self) -> bool:
@@ -219,7 +222,10 @@ class ModelRunner:
         ahead, self._ahead = self._ahead, None  # good for this step only
         hits = self.run_ahead_hits
         try:
-            return self._execute(plan, ahead)
+            out = self._execute(plan, ahead)
+            for check in self.checks:
+                check()
+            return out
         finally:
             if ahead is not None and self.run_ahead_hits == hits:
                 self.run_ahead_dropped += 1  # its device time was spent for nothing

@@ -88,6 +88,16 @@ def test_host_computed_experts_are_placed_and_checked(resident: LLM) -> None:
     experts = llm.zero_copy[0].num_experts
     assert {int(p.host_marked.sum()) for p in llm.zero_copy} == {experts // 2}
     assert run(llm) == run(resident)
+    # a wait for the host's rows that gave up (the poller's flags) fails the step that read
+    # them, once; the next step runs
+    compute = llm.zero_copy[0].host_work.compute
+    assert compute.check in llm.engine.runner.checks
+    compute.set_poll(True)
+    compute._flags_np[3] = 1
+    with pytest.raises(RuntimeError, match="1 waits for the host's rows timed out"):
+        run(llm)
+    compute.set_poll(False)
+    assert run(llm) == run(resident)
     with pytest.raises(RequestError, match="expert_zero_copy"):
         LLM(DEMO_MODEL, device="cpu", expert_cpu_fraction=0.5)
     with pytest.raises(RequestError, match="expert_cpu_fraction"):
