@@ -1231,6 +1231,12 @@ PY
         --concurrency-prompt 32
     done
     ;;
+  s22d)  # next session: the grouped chains' sweep alone, with the time it needs (s21b's 170 s
+    # reached three rows at T = 8, where chain 2 was slower: 112 against 96 us); T = 32 first
+    # (prediction, s20b's: chains of 2-4 10-25% faster at T = 32, or nothing: then drop them)
+    timeout 560 python3 bench/kernels_gpu.py --sweep-moe-chain 2>&1 | tee "$out/chain.log" \
+      | tail -24
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
