@@ -1,7 +1,7 @@
 """Throughput of the native CPU expert code (`moestream/native`) in the Qwen3-30B-A3B shapes.
 
 Usage: python bench/native_experts.py [--threads 1,2,4,8,16] [--experts 96] [--rounds 5]
-    [--memory numpy|small|huge|pinned]
+    [--memory numpy|small|huge|pinned] [--per-token 2,4,8] [--gap-us 0,100]
 
 Each round computes one token through `--experts` distinct random experts (Q4_K gate and up
 [768, 2048], Q6_K down [2048, 768]: 3.0 MB each, together far more than the CPU's caches), the
@@ -14,9 +14,14 @@ MADV_NOHUGEPAGE), of transparent 2 MiB pages ("huge", MADV_HUGEPAGE), or torch's
 ("pinned": the host tier's, needs CUDA).
 
 One thread's time for an expert's gate/up and for its down, apart. Then a layer's host experts
-of one token in one call (`native.moe_host_rows`, its threads OpenMP's): 4 of the token's 8
-experts (half the experts on the host) and all 8, the median time a call over `--rounds` x 12
-calls (each call other experts), and 48 layers of it: the host's share of a 30B token."""
+of one token in one call (`native.moe_host_rows`, its threads OpenMP's): `--per-token` of the
+token's 8 experts (2: half the experts on the host and half of those on the CPU, a batch-1
+decode step's call; 4; all 8), the median time a call over `--rounds` x 12 calls (each call
+other experts), and 48 layers of it: the host's share of a 30B token. `--gap-us` puts that many
+microseconds between calls, the calling thread spinning meanwhile as one waiting on the GPU
+does (a decode step's layers are ~0.1-0.3 ms apart): the cost of waking the threads a call,
+and of a spinning caller beside a full team (a stalled call shows in the mean, not the
+median)."""
 
 from __future__ import annotations
 
@@ -45,6 +50,8 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=96, help="distinct experts per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--memory", choices=("numpy", "small", "huge", "pinned"), default="numpy")
+    ap.add_argument("--per-token", default="4,8", help="host experts a call, comma separated")
+    ap.add_argument("--gap-us", default="0", help="spin between calls (us), comma separated")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     cpu = torch.device("cpu")
@@ -80,24 +87,30 @@ def main() -> int:
         med = statistics.median(rates)
         print(f"| {n} | {med:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
               f"{EXPERT_BYTES_PER_TOKEN / med / 1e6:.1f} |")  # fmt: skip
-    print("\n| threads | host experts a token and layer | ms a layer (median, min-max) | "
-          "48 layers, ms | GB/s |")  # fmt: skip
-    print("|---|---|---|---|---|")
+    print("\n| threads | host experts a token and layer | gap between calls, us | "
+          "ms a layer (median, min-max) | mean ms | 48 layers, ms | GB/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     x_rows = (xq[None], xd[None], xs[None])
     for n in (int(v) for v in args.threads.split(",")):
-        for per_token in (4, 8):
-            times = []
-            for r in range(args.rounds * 12):
-                chosen = [experts[(r * per_token + i) % len(experts)] for i in range(per_token)]
-                layer = [(g, u, d, True) for g, u, d in chosen]
-                t = time.perf_counter()
-                native.moe_host_rows(layer, [0] * per_token, [0.125] * per_token, *x_rows, 8, 4,
-                                     threads=n)  # fmt: skip
-                times.append(time.perf_counter() - t)
-            med = statistics.median(times)
-            gbs = per_token * nbytes / len(experts) / med / 1e9
-            print(f"| {n} | {per_token} | {med * 1e3:.2f} ({min(times) * 1e3:.2f}-"
-                  f"{max(times) * 1e3:.2f}) | {48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
+        for per_token in (int(v) for v in args.per_token.split(",")):
+            for gap_us in (float(v) for v in args.gap_us.split(",")):
+                times = []
+                for r in range(args.rounds * 12):
+                    chosen = [experts[(r * per_token + i) % len(experts)] for i in range(per_token)]
+                    layer = [(g, u, d, True) for g, u, d in chosen]
+                    until = time.perf_counter() + gap_us * 1e-6
+                    while time.perf_counter() < until:  # the caller spins, as on a GPU wait
+                        pass
+                    t = time.perf_counter()
+                    native.moe_host_rows(layer, [0] * per_token, [0.125] * per_token, *x_rows,
+                                         8, 4, threads=n)  # fmt: skip
+                    times.append(time.perf_counter() - t)
+                med = statistics.median(times)
+                gbs = per_token * nbytes / len(experts) / med / 1e9
+                mean = statistics.fmean(times)  # a stalled call shows here, not in the median
+                print(f"| {n} | {per_token} | {gap_us:g} | {med * 1e3:.3f} "
+                      f"({min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}) | {mean * 1e3:.3f} | "
+                      f"{48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
     return 0
 
 
