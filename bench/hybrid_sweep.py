@@ -3,7 +3,7 @@ counts, one model load: which share of the host-placed experts the host's cores 
 
     python bench/hybrid_sweep.py MODEL.gguf --gpu-expert-cache-gib 8.8 \\
         [--host-expert-cache-gib 24] [--fractions 0,0.33,0.5,0.67] [--threads 16] \\
-        [--batches 1,8] [--tokens 32] [--rounds 3] [--modes poll,host] [--sync auto,block]
+        [--batches 1,8] [--tokens 32] [--rounds 3] [--modes poll,host] [--wait spin,block]
 
 The model is placed once with every host slot marked for the host (`--expert-cpu-fraction
 1`); each arm then re-marks the first share of each layer's host slots
@@ -11,9 +11,9 @@ The model is placed once with every host slot marked for the host (`--expert-cpu
 read both at every replay, so no arm recaptures. `--modes poll,host` also puts the host's two
 ways of answering side by side (`HostCompute.set_poll`: the poller thread, CUDA host
 functions); a change of mode drops the captured graphs and warms up again before any timing.
-`--sync auto,spin,yield,block` sets how the process's CUDA context waits for the GPU per arm
-(`cuCtxSetFlags`'s scheduling flags: `auto` is CUDA's default, a spin on a machine with more
-cores than contexts; a thread spinning there takes a core from the host experts' threads).
+`--wait spin,block` sets per arm how the step's thread waits for its tokens
+(`HostReader.set_blocking`: a spin, CUDA's default, takes a core from the host experts' threads;
+with host experts the LLM blocks by default).
 The arms run in turn (modes alternating their order each round), `--rounds` times; each arm's
 rate is printed when measured, so a run cut short keeps what it measured. An
 arm's decode rate at batch B: B greedy requests of N + 2 tokens (fresh random 32-token
@@ -26,7 +26,6 @@ decode tok/s per arm and batch.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import time
@@ -48,22 +47,6 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
-# cuCtxSetFlags' scheduling flags (CU_CTX_SCHED_*; the mask is CU_CTX_SCHED_MASK)
-SYNC_FLAGS = {"auto": 0, "spin": 1, "yield": 2, "block": 4}
-SCHED_MASK = 7
-
-
-def set_sync(mode: str) -> None:
-    """How the current CUDA context waits for the GPU (CUDA 12.1+: cuCtxSetFlags)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    flags = ctypes.c_uint(0)
-    rc = cuda.cuCtxGetFlags(ctypes.byref(flags))
-    if rc == 0:
-        rc = cuda.cuCtxSetFlags(ctypes.c_uint((flags.value & ~SCHED_MASK) | SYNC_FLAGS[mode]))
-    if rc != 0:
-        raise RuntimeError(f"cuCtxGetFlags/cuCtxSetFlags failed (CUresult {rc})")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -82,14 +65,14 @@ def main() -> int:
         "default mode only)",
     )  # fmt: skip
     ap.add_argument(
-        "--sync", default=None,
-        help="comma-separated ways the CUDA context waits, one arm each: auto, spin, yield, "
-        "block (default: as the process starts)",
+        "--wait", default=None,
+        help="spin,block: how the step's thread waits for its tokens, one arm each (default: "
+        "the LLM's, a blocking wait beside host experts)",
     )  # fmt: skip
     args = ap.parse_args()
-    syncs = args.sync.split(",") if args.sync else [None]
-    if not {m for m in syncs if m} <= set(SYNC_FLAGS):
-        raise SystemExit(f"--sync: some of {', '.join(SYNC_FLAGS)}, got {args.sync}")
+    waits = args.wait.split(",") if args.wait else [None]
+    if not {w for w in waits if w} <= {"spin", "block"}:
+        raise SystemExit(f"--wait: spin and/or block, got {args.wait}")
 
     llm = LLM(
         args.model, device=args.device, kv_cache_gib=args.kv_cache_gib,
@@ -136,7 +119,7 @@ def main() -> int:
             raise RuntimeError(f"{sum(got.values())} tokens, expected {batch * (args.tokens + 2)}")
         return (sum(got.values()) - before) / seconds
 
-    arms = [(f, n, w) for f in args.fractions for n in threads for w in syncs]
+    arms = [(f, n, w) for f in args.fractions for n in threads for w in waits]
     rates: dict[tuple[str, str, float, int, int], list[float]] = {}
 
     warm: list[str] = []  # the mode whose graphs are captured
@@ -162,15 +145,15 @@ def main() -> int:
                     layer.set_cpu_slots(round(f * host_slots))
                 compute.set_threads(n)
                 if w is not None:
-                    set_sync(w)
+                    llm.engine.runner.reader.set_blocking(w == "block")
                 for b in args.batches:
                     rate = decode_rate(b)
                     rates.setdefault((mode, w or "-", f, n, b), []).append(rate)
-                    print(f"round {r}: {mode}, sync {w or '-'}, share {f:g}, {n} threads, "
+                    print(f"round {r}: {mode}, wait {w or '-'}, share {f:g}, {n} threads, "
                           f"batch {b}: {rate:.1f} tok/s", flush=True)  # fmt: skip
     print(f"{host_slots} host slots a layer of {layers[0].num_experts}; "
           f"{args.tokens} tokens, {args.rounds} rounds")  # fmt: skip
-    cols = ["mode", "sync", "CPU share of host slots", "threads", "batch"]
+    cols = ["mode", "wait", "CPU share of host slots", "threads", "batch"]
     print("\n| " + " | ".join(cols + ["decode tok/s (median)", "min-max"]) + " |")
     print("|---|---|---|---|---|---|---|")
     for (mode, w, f, n, b), v in sorted(rates.items(), key=lambda kv: kv[0][4]):

@@ -241,6 +241,8 @@ class LLM:
         host_work = next((p.host_work for p in self.zero_copy if p.host_work), None)
         if host_work is not None:  # a step whose host rows went wrong fails
             self.engine.runner.checks.append(host_work.compute.check)
+            # the host's experts take every core during a step: wait for its tokens asleep
+            self.engine.runner.reader.set_blocking(True)
         if enforce_eager:  # no CUDA graphs for decode or verify steps (runner/cuda_graph.py)
             self.engine.runner.graphs = None
         # Batch-invariant GPU kernels (kernels/ops.py); the CPU reference is invariant already.

@@ -1207,18 +1207,18 @@ PY
       --fractions 0.5,0.6 --modes poll,host --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep50_modes.md" | tail -10
     ;;
-  s22b)  # next session: who takes the host's cores at 50% (poll mode): the CUDA context's wait
-    # (auto spins on a core beside the 16 OpenMP threads) against a blocking wait, and 16
-    # threads against 15 and 14 (prediction: block or fewer threads narrows batch 1's spread,
-    # 42-70 in s21a, and lifts its median 5-15%); first the native experts' calls of 2 and 4
-    # experts with the caller spinning 100 us between them (on the development CPU a spinning
-    # caller beside a full team made the mean call 3.6x its median)
+  s22b)  # next session: who takes the host's cores at 50% (poll mode). The step's thread waited
+    # for its tokens spinning (CUDA's default) beside an OpenMP team of 16 on 16 cores; it now
+    # sleeps when host experts are on (HostReader.set_blocking). The sweep's --wait spin,block
+    # against --threads 16,15,14 (prediction: block narrows batch 1's spread, 42-70 in s21a,
+    # and lifts its median 5-15%; 15 threads with spin about the same as 16 with block);
+    # first the native experts' calls of 2 and 4 experts (mean beside median)
     timeout 60 python3 bench/native_experts.py --threads 16,15 --experts 32 --rounds 3 \
       --per-token 2,4 --gap-us 0,100 2>&1 | tee "$out/native_gap.md" | tail -10
     synth qwen3-30b-a3b q30
     timeout 300 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
-      --fractions 0.6 --threads 16,15,14 --sync auto,block --batches 1,8 --tokens 64 2>&1 \
-      | tee "$out/sweep50_sync.md" | tail -10
+      --fractions 0.6 --threads 16,15,14 --wait spin,block --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep50_wait.md" | tail -10
     ;;
   s22c)  # next session: issue #7's "rest on disk" figures (never run on the H200): the 30B
     # streamed by the expert store with no host tier, every miss an O_DIRECT read of the file

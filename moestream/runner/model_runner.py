@@ -69,13 +69,28 @@ class LogitsProcessor(Protocol):
 class HostReader:
     """Reads a step's sampled token ids back to the host: on CUDA one non-blocking copy into a
     pinned buffer and one wait on an event recorded after it (no pageable staging); elsewhere
-    `tolist`. The buffer is reused: a result must be read before the next `read`."""
+    `tolist`. The buffer is reused: a result must be read before the next `read`.
+
+    The wait spins (CUDA's default where the process has fewer contexts than cores) unless
+    `set_blocking(True)`: then the thread sleeps until the event, leaving its core to others.
+    That matters beside host-computed experts (`experts.host_compute`), whose threads fill the
+    cores during the step: one more spinning thread stalls a full OpenMP team now and then (on
+    the development CPU, a spinning process beside a team of 2 on 2 cores made the mean call of
+    2 experts 4.4x its median, 1.8 against 0.41 ms, with 18% of calls over 1 ms:
+    bench/RESULTS.md, sixteenth session)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._pending = torch.empty(0, dtype=torch.int64)
         self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self.blocking = False
+
+    def set_blocking(self, blocking: bool) -> None:
+        """Sleep (True) or spin (False) while waiting for a step's tokens; between steps."""
+        self.blocking = blocking
+        if self._done is not None:
+            self._done = torch.cuda.Event(blocking=blocking)
 
     def read(self, token_ids: torch.Tensor) -> list[int]:
         """`token_ids` [N] int64 (on the reader's device) as a list of ints."""

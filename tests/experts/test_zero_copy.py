@@ -92,6 +92,7 @@ def test_host_computed_experts_are_placed_and_checked(resident: LLM) -> None:
     # them, once; the next step runs
     compute = llm.zero_copy[0].host_work.compute
     assert compute.check in llm.engine.runner.checks
+    assert llm.engine.runner.reader.blocking  # the step's wait leaves the cores to the host's
     compute.set_poll(True)
     compute._flags_np[3] = 1
     with pytest.raises(RuntimeError, match="1 waits for the host's rows timed out"):
