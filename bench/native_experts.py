@@ -1,7 +1,7 @@
 """Throughput of the native CPU expert code (`moestream/native`) in the Qwen3-30B-A3B shapes.
 
 Usage: python bench/native_experts.py [--threads 1,2,4,8,16] [--experts 96] [--rounds 5]
-    [--memory numpy|small|huge|pinned] [--per-token 2,4,8] [--gap-us 0,100]
+    [--memory numpy|small|huge|pinned] [--per-token 2,4,8] [--gap-us 0,100] [--spinners 0,1]
 
 Each round computes one token through `--experts` distinct random experts (Q4_K gate and up
 [768, 2048], Q6_K down [2048, 768]: 3.0 MB each, together far more than the CPU's caches), the
@@ -19,14 +19,15 @@ token's 8 experts (2: half the experts on the host and half of those on the CPU,
 decode step's call; 4; all 8), the median time a call over `--rounds` x 12 calls (each call
 other experts), and 48 layers of it: the host's share of a 30B token. `--gap-us` puts that many
 microseconds between calls, the calling thread spinning meanwhile as one waiting on the GPU
-does (a decode step's layers are ~0.1-0.3 ms apart): the cost of waking the threads a call,
-and of a spinning caller beside a full team (a stalled call shows in the mean, not the
-median)."""
+does (a decode step's layers are ~0.1-0.3 ms apart): the cost of waking the threads a call.
+`--spinners` runs that many busy processes beside the calls, as a thread spinning on a GPU
+wait beside the host's experts: a stalled call shows in the mean, not the median."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ def main() -> int:
     ap.add_argument("--memory", choices=("numpy", "small", "huge", "pinned"), default="numpy")
     ap.add_argument("--per-token", default="4,8", help="host experts a call, comma separated")
     ap.add_argument("--gap-us", default="0", help="spin between calls (us), comma separated")
+    ap.add_argument("--spinners", default="0", help="busy processes beside the calls, arms")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     cpu = torch.device("cpu")
@@ -87,30 +89,40 @@ def main() -> int:
         med = statistics.median(rates)
         print(f"| {n} | {med:.2f} ({min(rates):.2f}-{max(rates):.2f}) | "
               f"{EXPERT_BYTES_PER_TOKEN / med / 1e6:.1f} |")  # fmt: skip
-    print("\n| threads | host experts a token and layer | gap between calls, us | "
-          "ms a layer (median, min-max) | mean ms | 48 layers, ms | GB/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    cols = ("threads", "busy processes beside", "host experts a token and layer",
+            "gap between calls, us", "ms a layer (median, min-max)", "mean ms", "48 layers, ms",
+            "GB/s")  # fmt: skip
+    print("\n| " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---|---|---|---|")
     x_rows = (xq[None], xd[None], xs[None])
-    for n in (int(v) for v in args.threads.split(",")):
-        for per_token in (int(v) for v in args.per_token.split(",")):
-            for gap_us in (float(v) for v in args.gap_us.split(",")):
-                times = []
-                for r in range(args.rounds * 12):
-                    chosen = [experts[(r * per_token + i) % len(experts)] for i in range(per_token)]
-                    layer = [(g, u, d, True) for g, u, d in chosen]
-                    until = time.perf_counter() + gap_us * 1e-6
-                    while time.perf_counter() < until:  # the caller spins, as on a GPU wait
-                        pass
-                    t = time.perf_counter()
-                    native.moe_host_rows(layer, [0] * per_token, [0.125] * per_token, *x_rows,
-                                         8, 4, threads=n)  # fmt: skip
-                    times.append(time.perf_counter() - t)
-                med = statistics.median(times)
-                gbs = per_token * nbytes / len(experts) / med / 1e9
-                mean = statistics.fmean(times)  # a stalled call shows here, not in the median
-                print(f"| {n} | {per_token} | {gap_us:g} | {med * 1e3:.3f} "
-                      f"({min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}) | {mean * 1e3:.3f} | "
-                      f"{48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
+    arms = [(n, int(b), int(p), float(g)) for n in (int(v) for v in args.threads.split(","))
+            for b in args.spinners.split(",") for p in args.per_token.split(",")
+            for g in args.gap_us.split(",")]  # fmt: skip
+    for n, busy, per_token, gap_us in arms:
+        spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            time.sleep(0.2 if busy else 0.0)  # the spinners running
+            times = []
+            for r in range(args.rounds * 12):
+                chosen = [experts[(r * per_token + i) % len(experts)] for i in range(per_token)]
+                layer = [(g, u, d, True) for g, u, d in chosen]
+                until = time.perf_counter() + gap_us * 1e-6
+                while time.perf_counter() < until:  # the caller spins, as on a GPU wait
+                    pass
+                t = time.perf_counter()
+                native.moe_host_rows(layer, [0] * per_token, [0.125] * per_token, *x_rows,
+                                     8, 4, threads=n)  # fmt: skip
+                times.append(time.perf_counter() - t)
+            med = statistics.median(times)
+            gbs = per_token * nbytes / len(experts) / med / 1e9
+            mean = statistics.fmean(times)  # a stalled call shows here, not in the median
+            print(f"| {n} | {busy} | {per_token} | {gap_us:g} | {med * 1e3:.3f} "
+                  f"({min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}) | {mean * 1e3:.3f} | "
+                  f"{48 * med * 1e3:.1f} | {gbs:.2f} |")  # fmt: skip
+        finally:
+            for proc in spin:
+                proc.kill()
+                proc.wait()
     return 0
 
 

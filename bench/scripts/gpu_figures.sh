@@ -1212,9 +1212,11 @@ PY
     # sleeps when host experts are on (HostReader.set_blocking). The sweep's --wait spin,block
     # against --threads 16,15,14 (prediction: block narrows batch 1's spread, 42-70 in s21a,
     # and lifts its median 5-15%; 15 threads with spin about the same as 16 with block);
-    # first the native experts' calls of 2 and 4 experts (mean beside median)
-    timeout 60 python3 bench/native_experts.py --threads 16,15 --experts 32 --rounds 3 \
-      --per-token 2,4 --gap-us 0,100 2>&1 | tee "$out/native_gap.md" | tail -10
+    # first the native experts' calls of 2 and 4 experts with and without a busy process
+    # beside them (development CPU, team of 2 on 2 cores: mean 0.45 -> 3.6 ms, median 0.43 ->
+    # 0.51)
+    timeout 90 python3 bench/native_experts.py --threads 16,15 --experts 32 --rounds 3 \
+      --per-token 2,4 --gap-us 100 --spinners 0,1 2>&1 | tee "$out/native_gap.md" | tail -10
     synth qwen3-30b-a3b q30
     timeout 300 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
       --fractions 0.6 --threads 16,15,14 --wait spin,block --batches 1,8 --tokens 64 2>&1 \
