@@ -75,9 +75,9 @@ class HostReader:
     `set_blocking(True)`: then the thread sleeps until the event, leaving its core to others.
     That matters beside host-computed experts (`experts.host_compute`), whose threads fill the
     cores during the step: one more spinning thread stalls a full OpenMP team now and then (on
-    the development CPU, a spinning process beside a team of 2 on 2 cores made the mean call of
-    2 experts 4.4x its median, 1.8 against 0.41 ms, with 18% of calls over 1 ms:
-    bench/RESULTS.md, sixteenth session)."""
+    the development CPU, a busy process beside a team of 2 on 2 cores made the mean call of 2
+    experts 3.6 ms against 0.45 alone, its median 0.51 against 0.43: `bench/native_experts.py
+    --spinners 0,1`, bench/RESULTS.md, sixteenth session)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -87,10 +87,14 @@ class HostReader:
         self.blocking = False
 
     def set_blocking(self, blocking: bool) -> None:
-        """Sleep (True) or spin (False) while waiting for a step's tokens; between steps."""
+        """Sleep (True) or spin (False) while waiting for a step's tokens. A read started
+        before (a step queued ahead) stays valid: the new event is recorded now, after its
+        copy."""
         self.blocking = blocking
         if self._done is not None:
-            self._done = torch.cuda.Event(blocking=blocking)
+            done = torch.cuda.Event(blocking=blocking)
+            done.record(torch.cuda.current_stream(self.device))
+            self._done = done
 
     def read(self, token_ids: torch.Tensor) -> list[int]:
         """`token_ids` [N] int64 (on the reader's device) as a list of ints."""
