@@ -57,9 +57,9 @@ def hybrid(layer: ZeroCopyExperts, x, ids, weights) -> torch.Tensor:
 def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> None:
     gate, up, down = stacks(3)
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(3, H, generator=g)
-    ids = torch.tensor([[1, 0], [3, 2], [2, 1]])
-    weights = torch.softmax(torch.randn(3, K, generator=g), dim=-1)
+    x = torch.randn(2, H, generator=g)  # two tokens: every expert once (the interpreter is slow)
+    ids = torch.tensor([[1, 0], [3, 2]])
+    weights = torch.softmax(torch.randn(2, K, generator=g), dim=-1)
     compute = HostCompute(torch.device("cpu"), threads=2)
     # expert 0 on the device; host slots 0, 1 (experts 1, 2) computed by the host; 3 by link
     layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=2, compute=compute)
@@ -70,21 +70,21 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         want = fused_moe(x, ids, weights, gate, up, down, slots, method="mmvq",
                          mmvq_cfg=HYBRID_CONFIG)  # fmt: skip
         got = hybrid(layer, x, ids, weights)
-        assert compute.counters["assignments"] == 4  # ids 1, 2, 2, 1
-        assert compute.counters["bytes"] == 4 * layer.expert_bytes
+        assert compute.counters["assignments"] == 2  # ids 1, 2
+        assert compute.counters["bytes"] == 2 * layer.expert_bytes
         layer._swap(0, 1)  # a promotion: 1 to the device, 0 to its host slot (and its mark)
         assert layer.host_marked.tolist() == [1, 0, 1, 0]
         after = hybrid(layer, x, ids, weights)
-        assert compute.counters["assignments"] == 4 + 3  # ids 0, 2, 2
+        assert compute.counters["assignments"] == 2 + 2  # ids 0, 2
         layer.count(ids)
-        assert layer.read_counts() == {"device": 2, "host": 1, "cpu": 3, "stage": 0}
+        assert layer.read_counts() == {"device": 1, "host": 1, "cpu": 2, "stage": 0}
         layer.set_cpu_slots(3)  # every host slot the host's (experts 0, 2, 3); fewer threads
         compute.set_threads(1)
         assert layer.host_marked.tolist() == [1, 0, 1, 1]
         assert layer.host_marks.tolist() == [-1, 0, -1, -1]
         assert {args.threads for args in layer.host_work.launch_args()} == {1}
         remarked = hybrid(layer, x, ids, weights)
-        assert compute.counters["assignments"] == 7 + 4  # ids 0, 3, 2, 2 (1 on the device)
+        assert compute.counters["assignments"] == 4 + 3  # ids 0, 3, 2 (1 on the device)
         # a long forward's launch: the host tier copied to a prefill stage and read there, no
         # host work (`layers.moe.SparseMoE.forward_routed`), the same launch shape
         layer.attach_stage(ExpertStage([w.data.numel() for w in layer._host], torch.device("cpu")))
@@ -92,7 +92,7 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         assert on_stage and not torch.equal(addr, layer.expert_addr)
         staged = fused_moe(x, ids, weights, *layer.stacked(), layer.host_marks, method="mmvq",
                            mmvq_cfg=HYBRID_CONFIG, expert_addr=addr)  # fmt: skip
-        assert compute.counters["assignments"] == 11
+        assert compute.counters["assignments"] == 7
     assert np.abs(want.numpy()).max() > 0
     for out in (got, after, remarked, staged):
         assert torch.equal(out.view(torch.int32), want.view(torch.int32))
