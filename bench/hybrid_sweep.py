@@ -122,11 +122,12 @@ def main() -> int:
     arms = [(f, n, w) for f in args.fractions for n in threads for w in waits]
     rates: dict[tuple[str, str, float, int, int], list[float]] = {}
 
-    warm: list[str] = []  # the mode whose graphs are captured
+    warm: str | None = None  # the mode whose graphs are captured
 
     def set_mode(mode: str) -> None:
         """The mode, its graphs captured and kernels compiled before any timing."""
-        if warm == [mode]:
+        nonlocal warm
+        if warm == mode:
             return
         sync()
         if compute.poll != (mode == "poll"):
@@ -134,7 +135,7 @@ def main() -> int:
             llm.engine.runner.drop_graphs()
         for b in args.batches:
             decode_rate(b)
-        warm[:] = [mode]
+        warm = mode
 
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else reversed(modes):

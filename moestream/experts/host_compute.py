@@ -74,20 +74,14 @@ WAIT_POLLS = 1 << 23
 
 
 @triton.jit
-def _post_kernel(seq_ptr, flags_addr, job):
-    """seq += 1; go = seq << 16 | job (flags: go, done, errors, timeouts)."""
-    s = tl.atomic_add(seq_ptr, 1) + 1
-    flags = flags_addr.to(tl.pointer_type(tl.int64))
-    tl.store(flags, (s << 16) | job)
-
-
-@triton.jit
 def _copy_to(src, dst_addr, n, DT: tl.constexpr, BLOCK: tl.constexpr):
     """dst[:n] = src[:n] as DT, dst a host address (mapped pinned memory)."""
     dst = dst_addr.to(tl.pointer_type(DT))
-    for i in range(0, n, BLOCK):
+    i = 0
+    while i < n:  # not `range(0, n, BLOCK)`: Triton 3.6's interpreter cannot index by n
         o = i + tl.arange(0, BLOCK)
         tl.store(dst + o, tl.load(src + o, mask=o < n).to(DT), mask=o < n)
+        i += BLOCK
 
 
 @triton.jit
@@ -194,8 +188,13 @@ class HostCompute:
         return self._jobs - 1
 
     def post_and_wait(self, job: int) -> None:
-        """Poll mode, on the current stream: post `job`, wait for the host's answer."""
-        _post_kernel[(1,)](self._seq, self._flags.data_ptr(), job, num_warps=1)
+        """Poll mode, on the current stream: post `job` with no inputs (the pack kernel storing
+        nothing), wait for the host's answer."""
+        seq, flags = self._seq, self._flags.data_ptr()  # any valid addresses: none is stored
+        _pack_kernel[(1,)](
+            seq, seq, seq, seq, seq, flags, flags, flags, flags, flags, 0, 0, 0, seq, flags, job,
+            POST=True, BLOCK=1024, num_warps=4,
+        )  # fmt: skip
         self.wait()
 
     def wait(self) -> None:

@@ -749,9 +749,8 @@ void host_layer(void *arg) {
  * there; this thread, spinning on go, runs host_layer(table[job]) and then stores done = seq,
  * for which a one-thread kernel on the GPU waits before the rows are copied back
  * (`experts.host_compute`, poll mode). It spins for spin_ns after each job (a decode step's
- * layers are ~0.3-0.5 ms apart), then polls every sleep_ns, and every millisecond once idle for a
- * second. flags: [go, done, errors,
- * timeouts] (the last the wait kernel's). */
+ * layers are ~0.3-0.5 ms apart), then polls every sleep_ns, and every millisecond once idle
+ * for a second. flags: [go, done, errors, timeouts] (the last the wait kernel's). */
 typedef struct {
     int64_t *flags;                /* pinned [4]: go, done, errors (jobs naming no table entry) */
     host_layer_args **table;       /* [n] */
