@@ -1243,6 +1243,34 @@ PY
     timeout 560 python3 bench/kernels_gpu.py --sweep-moe-chain 2>&1 | tee "$out/chain.log" \
       | tail -24
     ;;
+  s23a)  # s22b within one call: the native experts beside a busy process on the H200's host
+    # (calls of 2 and 4 experts, 100 us apart); the step's wait spinning or blocking at 50% on
+    # the device (share 0.6) with 16 and 15 threads; first the host experts' GPU tests.
+    # Prediction: block narrows batch 1's spread (42-70 in s21a) and lifts its median 5-15%;
+    # 15 threads spinning about as fast as 16 blocking
+    host_gpu_tests 1 120  # the pack kernel's copy loop, a while loop since review: first GPU run
+    timeout 60 python3 bench/native_experts.py --threads 16,15 --experts 32 --rounds 3 \
+      --per-token 2,4 --gap-us 100 --spinners 0,1 2>&1 | tee "$out/native_gap.md" | tail -10
+    synth qwen3-30b-a3b q30
+    timeout 250 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 8.8 \
+      --fractions 0.6 --threads 16,15 --wait spin,block --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep50_wait.md" | tail -8
+    ;;
+  s23b)  # the rest on disk (s22c: O_DIRECT reads, no host tier) at 50% and 25%, batch 1 and 8
+    # requests (prediction: disk-bound, 2-8 tok/s at 50%); then the 25% sweep with the step's
+    # wait spinning and blocking (share 0.6, 16 threads; 25% was unsettled: 34.8, 28.2-52.2)
+    synth qwen3-30b-a3b q30
+    df -h /tmp | tail -1
+    for g in 8.8 4.4; do
+      bench "disk_g$g" 150 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
+        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 1,8 \
+        --concurrency-prompt 32
+    done
+    timeout 150 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
+      --fractions 0.6 --threads 16 --wait spin,block --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep25_wait.md" | tail -6
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
