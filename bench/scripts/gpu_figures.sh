@@ -1257,8 +1257,8 @@ PY
       | tee "$out/sweep50_wait.md" | tail -8
     ;;
   s23b)  # the rest on disk (s22c: O_DIRECT reads, no host tier) at 50% and 25%, batch 1 and 8
-    # requests (prediction: disk-bound, 2-8 tok/s at 50%); then the 25% sweep with the step's
-    # wait spinning and blocking (share 0.6, 16 threads; 25% was unsettled: 34.8, 28.2-52.2)
+    # requests (prediction: disk-bound, 2-8 tok/s at 50%); then the 25% sweep with 16 and 15
+    # threads (share 0.6, blocking wait; 25% was unsettled: 34.8, 28.2-52.2)
     synth qwen3-30b-a3b q30
     df -h /tmp | tail -1
     for g in 8.8 4.4; do
@@ -1268,8 +1268,8 @@ PY
         --concurrency-prompt 32
     done
     timeout 150 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
-      --fractions 0.6 --threads 16 --wait spin,block --batches 1,8 --tokens 64 2>&1 \
-      | tee "$out/sweep25_wait.md" | tail -6
+      --fractions 0.6 --threads 16,15 --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep25_threads.md" | tail -6
     ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
