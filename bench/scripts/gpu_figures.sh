@@ -153,6 +153,7 @@ bench() {  # bench NAME SECONDS ARGS...: one bench run, its tables, its JSON in 
   echo "[$name rc=$rc]"; grep -v "^- \|^$\|wrote\|^bench: " "/tmp/r/$name.log" | head -80
   [[ $rc == 0 ]] || tail -15 "/tmp/r/$name.log"  # where a run that timed out or failed stopped
   cp "/tmp/r/$name/result.json" "$out/$name.json" 2>/dev/null
+  cp "/tmp/r/$name.log" "$out/$name.log" 2>/dev/null  # what a cut run printed
 }
 synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
@@ -1270,6 +1271,17 @@ PY
     timeout 150 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
       --fractions 0.6 --threads 16,15 --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep25_threads.md" | tail -6
+    ;;
+  s23c)  # s23b's disk runs with the time they need (150 s cut both in the concurrency part):
+    # the rest on disk, O_DIRECT, no host tier, 50% and 25% on the device; batch 1 from the
+    # decode part, 8 requests from the concurrency part (prediction: 2-8 tok/s at 50%)
+    synth qwen3-30b-a3b q30
+    for g in 8.8 4.4; do
+      bench "disk_g$g" 235 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
+        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 8 \
+        --concurrency-prompt 32
+    done
     ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
