@@ -1283,6 +1283,17 @@ PY
         --concurrency-prompt 32
     done
     ;;
+  s23d)  # 16 against 15 threads at 10% on the device (s23a/s23b: 15 led at 50% and 25%), then
+    # the rest on disk at 25% (s23c's second run, cut at 235 s in its concurrency part)
+    synth qwen3-30b-a3b q30
+    timeout 160 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
+      --fractions 0.5 --threads 16,15 --batches 1,8 --tokens 64 2>&1 \
+      | tee "$out/sweep10_threads.md" | tail -6
+    bench disk_g4.4 225 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+      --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 0 --expert-direct-io \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 8 \
+      --concurrency-prompt 32
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
