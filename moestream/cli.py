@@ -189,7 +189,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="threads for --expert-cpu-fraction (default: every core this process may use)",
+        help="threads for --expert-cpu-fraction (default: one fewer than the cores this process "
+        "may use where it may use 8 or more, else all of them)",
     )
     e.add_argument(
         "--expert-prefill-stage",

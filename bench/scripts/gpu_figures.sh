@@ -150,8 +150,11 @@ bench() {  # bench NAME SECONDS ARGS...: one bench run, its tables, its JSON in 
   timeout "$limit" python3 -c "import sys; from moestream.cli import main; sys.exit(main())" \
     bench "$@" --out "/tmp/r/$name" > "/tmp/r/$name.log" 2>&1
   local rc=$?
-  echo "[$name rc=$rc]"; grep -v "^- \|^$\|wrote\|^bench: " "/tmp/r/$name.log" | head -80
-  [[ $rc == 0 ]] || tail -15 "/tmp/r/$name.log"  # where a run that timed out or failed stopped
+  # the report once it ran to its end; else each section's table as it ended, and where it
+  # stopped
+  echo "[$name rc=$rc]"; if [[ $rc == 0 ]]; then sed -n '/^# moestream bench/,$p' \
+    "/tmp/r/$name.log" | grep -v "^- \|^$\|wrote" | head -80; else grep -v "^$" \
+    "/tmp/r/$name.log" | tail -40; fi
   cp "/tmp/r/$name/result.json" "$out/$name.json" 2>/dev/null
   cp "/tmp/r/$name.log" "$out/$name.log" 2>/dev/null  # what a cut run printed
 }

@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moestream.bench.compare import COMPARE_SCHEMA
-from moestream.bench.runner import SECTIONS, Section
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return lines
+from moestream.bench.runner import SECTIONS, Section, md_table
 
 
 def _size(n: int) -> str:
@@ -67,7 +61,7 @@ def format_markdown(result: dict[str, Any], sections: tuple[Section, ...] = SECT
     for s in sections:
         if s.name in result:
             head, rows = s.table(result[s.name])
-            lines += ["", f"## {s.name}", "", *_md_table(head, rows)]
+            lines += ["", f"## {s.name}", "", *md_table(head, rows)]
     mem = result["memory"]
     lines += ["", "## memory", ""]
     gpu = mem["gpu_peak_bytes"]
@@ -117,7 +111,7 @@ def format_compare_markdown(result: dict[str, Any]) -> str:
         ]
         for m in result["metrics"]
     ]
-    return "\n".join(lines + _md_table(head, rows)) + "\n"
+    return "\n".join(lines + md_table(head, rows)) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

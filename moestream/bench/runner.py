@@ -483,6 +483,13 @@ def _host_peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
 def run_bench(
     llm: Any,
     config: BenchConfig,
@@ -496,7 +503,8 @@ def run_bench(
     """Run every section on `llm` (a `moestream.LLM`) and return the result JSON (see the
     module docstring). `engine_config` is recorded as given (the CLI's engine flags). Without
     `config.copy_bandwidth_gbps`, the copy bandwidth is `measured_bandwidth_gbps` (measured by
-    the caller before the model took the device's memory) or measured now."""
+    the caller before the model took the device's memory) or measured now. `log` hears each
+    section's start and, when it ends, its table."""
     device = llm.device
     facts = _model_facts(llm)
     bandwidth, bw_source = config.copy_bandwidth_gbps, "given"
@@ -541,6 +549,8 @@ def run_bench(
             data = s.run(ctx)
             if data is not None:
                 result[s.name] = data
+                if log:  # as measured: a run cut short (a time limit) keeps what it printed
+                    log("\n".join([f"## {s.name}", "", *md_table(*s.table(data)), ""]))
     finally:
         power.close()
     if device.type == "cuda":

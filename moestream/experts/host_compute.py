@@ -33,7 +33,8 @@ layer's last kernel, which waited for the previous host function and row copy. O
 under the Triton interpreter) `rows` calls `host_layer` directly.
 
 Counters (`HostCompute.counters`): host-function calls, assignments computed, their expert bytes
-and the time the host spent on them.
+and the time the host spent on them; in poll mode also the poller's failures that `check` has
+not yet raised (reported, not cleared).
 
 Poll mode (the default on CUDA; `MOESTREAM_HOST_POLL=0` or `HostCompute(poll=False)` turns it
 off): instead of a CUDA host function, whose dispatch and return cost ~70-100 us a layer on the
@@ -119,10 +120,15 @@ def _wait_kernel(seq_ptr, flags_addr, limit):
 
 
 def default_threads() -> int:
-    """Threads for the host experts: the cores this process may run on (on the H200's 16
-    cores, 16 OpenMP threads gave 61.4 tok/s at batch 1 with half the 30B's experts on the
-    device, 15 gave 57.9: bench/RESULTS.md, fourteenth session)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Threads for the host experts: one fewer than the cores this process may run on, where
+    it may run on 8 or more (the step's thread, the poller's spin and the driver's threads need
+    a core: on the H200's 16-core host, 15 threads against 16 at batch 1 gave 71.7 against
+    58.8 tok/s with half the 30B's experts on the device, 49.8 against 42.6 with a quarter,
+    50.9 against 52.0 with a tenth; and a team of 16 beside one busy process took 15.9 ms a
+    call where 15 took 0.23: bench/RESULTS.md, seventeenth session); all of them below 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    return cores - 1 if cores >= 8 else cores
 
 
 def _cu_launch_host_func() -> Any:
@@ -275,9 +281,13 @@ class HostCompute:
 
     @property
     def counters(self) -> dict[str, float]:
-        """Host-function calls, assignments computed, their expert bytes, seconds spent."""
-        self.check()
+        """Host-function calls, assignments computed, their expert bytes, seconds spent, and
+        the poller's failures not yet raised by `check` (read, never cleared here: a metrics
+        read between a failed wait and its step's check must not take the failure away)."""
         out = {"calls": 0, "assignments": 0, "bytes": 0, "compute_s": 0.0}
+        if self._poller is not None:
+            out["poll_bad_posts"] = int(self._flags_np[2])
+            out["poll_timeouts"] = int(self._flags_np[3])
         for layer in self.layers:
             for args in layer.launch_args():
                 if args.status:

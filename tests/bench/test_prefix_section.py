@@ -61,10 +61,17 @@ def test_prefix_reuse_cold_and_warm(llm: LLM) -> None:
 
 
 def test_prefix_reuse_rounds_shared_down_to_blocks(llm: LLM) -> None:
-    r = run_bench(llm, _config(prefix_reuse=(64, 40), repeats=1), sections=SECTIONS)
+    logged: list[str] = []
+    r = run_bench(llm, _config(prefix_reuse=(64, 40), repeats=1), sections=SECTIONS,
+                  log=logged.append)  # fmt: skip
     data = r["prefix_reuse"]
     assert data["expected_cached_tokens"] == 32
     assert data["rows"][1]["cached_tokens"] == 32  # 40 shared tokens: two whole blocks
+    # each section's table is logged when it ends, as the report will show it
+    assert logged[0] == "bench: prefix_reuse ..." and len(logged) == 2
+    table = logged[1].splitlines()
+    assert table[0] == "## prefix_reuse" and "| warm | 64 | 40 |" in logged[1]
+    assert "\n".join(table[2:-1]) in format_markdown(r, sections=SECTIONS)
 
 
 def test_prefix_reuse_without_prefix_caching() -> None:

@@ -23,7 +23,7 @@ except native.NativeUnavailable as exc:
     pytest.skip(f"native experts unavailable: {exc}", allow_module_level=True)
 
 from moestream.errors import UnsupportedError  # noqa: E402
-from moestream.experts.host_compute import HostCompute  # noqa: E402
+from moestream.experts.host_compute import HostCompute, default_threads  # noqa: E402
 from moestream.experts.zero_copy import (  # noqa: E402
     STAGE_MIN_TOKENS,
     ExpertStage,
@@ -128,6 +128,13 @@ def test_the_kernels_add_the_hosts_rows_for_marked_experts_only() -> None:
     assert torch.equal(shifted[1], exact[1])
 
 
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 2), (7, 7), (8, 7), (16, 15)])
+def test_default_threads_leave_a_core_from_eight(monkeypatch, cores: int, threads: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_threads() == threads
+    assert HostCompute(torch.device("cpu"), poll=False).threads == threads
+
+
 def test_host_computed_experts_need_the_types_the_native_code_reads() -> None:
     gate, up, down = stacks(5)
     q8 = QTensor(torch.from_numpy(quantize(torch.randn(E, F, H) * 0.05, T.Q8_0)), T.Q8_0,
@@ -175,6 +182,9 @@ def test_poll_mode_gives_the_host_functions_rows_and_reports_a_post_of_no_job() 
     for got in rows[1:]:
         assert torch.equal(got.view(torch.int32), rows[0].view(torch.int32))
     compute.post_and_wait(POLL_JOBS - 1)  # an empty table entry
+    counted = compute.counters  # a metrics read sees the failure and leaves it to the step
+    assert counted["poll_bad_posts"] == 1 and counted["poll_timeouts"] == 0
     with pytest.raises(RuntimeError, match="1 posts named no job, 0 waits for the host's rows"):
-        _ = compute.counters
+        compute.check()
     compute.check()  # reported once: later steps run again
+    assert compute.counters["poll_bad_posts"] == 0
