@@ -158,6 +158,13 @@ bench() {  # bench NAME SECONDS ARGS...: one bench run, its tables, its JSON in 
   cp "/tmp/r/$name/result.json" "$out/$name.json" 2>/dev/null
   cp "/tmp/r/$name.log" "$out/$name.log" 2>/dev/null  # what a cut run printed
 }
+disk() {  # disk G SECONDS CONCURRENCY: the 30B with G GiB of experts on the device and the
+  # rest read from the file at every miss (O_DIRECT, no host tier); JSON disk_gG
+  bench "disk_g$1" "$2" /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+    --gpu-expert-cache-gib "$1" --host-expert-cache-gib 0 --expert-direct-io \
+    --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency "$3" \
+    --concurrency-prompt 32
+}
 synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
@@ -1234,12 +1241,7 @@ PY
     # 50% (uniform routing misses ~4 experts a layer, ~0.3 GB a token from the disk)
     synth qwen3-30b-a3b q30
     df -h /tmp | tail -1
-    for g in 8.8 4.4; do
-      bench "disk_g$g" 200 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
-        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
-        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 1,8 \
-        --concurrency-prompt 32
-    done
+    for g in 8.8 4.4; do disk $g 200 1,8; done
     ;;
   s22d)  # next session: the grouped chains' sweep alone, with the time it needs (s21b's 170 s
     # reached three rows at T = 8, where chain 2 was slower: 112 against 96 us); T = 32 first
@@ -1265,12 +1267,7 @@ PY
     # threads (share 0.6, blocking wait; 25% was unsettled: 34.8, 28.2-52.2)
     synth qwen3-30b-a3b q30
     df -h /tmp | tail -1
-    for g in 8.8 4.4; do
-      bench "disk_g$g" 150 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
-        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
-        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 1,8 \
-        --concurrency-prompt 32
-    done
+    for g in 8.8 4.4; do disk $g 150 1,8; done
     timeout 150 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 4.4 \
       --fractions 0.6 --threads 16,15 --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep25_threads.md" | tail -6
@@ -1279,12 +1276,7 @@ PY
     # the rest on disk, O_DIRECT, no host tier, 50% and 25% on the device; batch 1 from the
     # decode part, 8 requests from the concurrency part (prediction: 2-8 tok/s at 50%)
     synth qwen3-30b-a3b q30
-    for g in 8.8 4.4; do
-      bench "disk_g$g" 235 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
-        --gpu-expert-cache-gib $g --host-expert-cache-gib 0 --expert-direct-io \
-        --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 8 \
-        --concurrency-prompt 32
-    done
+    for g in 8.8 4.4; do disk $g 235 8; done
     ;;
   s23d)  # 16 against 15 threads at 10% on the device (s23a/s23b: 15 led at 50% and 25%), then
     # the rest on disk at 25% (s23c's second run, cut at 235 s in its concurrency part)
@@ -1292,10 +1284,13 @@ PY
     timeout 160 python3 bench/hybrid_sweep.py /tmp/q30.gguf --gpu-expert-cache-gib 1.76 \
       --fractions 0.5 --threads 16,15 --batches 1,8 --tokens 64 2>&1 \
       | tee "$out/sweep10_threads.md" | tail -6
-    bench disk_g4.4 225 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
-      --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 0 --expert-direct-io \
-      --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency 8 \
-      --concurrency-prompt 32
+    disk 4.4 225 8
+    ;;
+  s24a)  # next session: the rest on disk at 25% with the time its 8 requests need (cut at
+    # 225-235 s twice; 50% took ~90 s in all); each section's table now prints as it ends
+    # (prediction: batch 1 4-7 tok/s, under 50%'s 9.0)
+    synth qwen3-30b-a3b q30
+    disk 4.4 500 8
     ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
