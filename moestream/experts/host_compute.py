@@ -121,11 +121,11 @@ def _wait_kernel(seq_ptr, flags_addr, limit):
 
 def default_threads() -> int:
     """Threads for the host experts: one fewer than the cores this process may run on, where
-    it may run on 8 or more (the step's thread, the poller's spin and the driver's threads need
-    a core: on the H200's 16-core host, 15 threads against 16 at batch 1 gave 71.7 against
-    58.8 tok/s with half the 30B's experts on the device, 49.8 against 42.6 with a quarter,
-    50.9 against 52.0 with a tenth; and a team of 16 beside one busy process took 15.9 ms a
-    call where 15 took 0.23: bench/RESULTS.md, seventeenth session); all of them below 8."""
+    it may run on 8 or more (the step's thread and the driver's threads need a core: on the
+    H200's 16-core host, 15 threads against 16 at batch 1 gave 71.7 against 58.8 tok/s with
+    half the 30B's experts on the device, 49.8 against 42.6 with a quarter, 50.9 against 52.0
+    with a tenth; and a team of 16 beside one busy process took 15.9 ms a call where 15 took
+    0.23: bench/RESULTS.md, seventeenth session); all of them below 8."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     return cores - 1 if cores >= 8 else cores
