@@ -27,8 +27,9 @@ demo: install
 	@echo "Serve it (OpenAI-compatible API on 127.0.0.1:8000):  $(BIN)/moestream serve"
 	@echo "Chat with it:                                        $(BIN)/moestream chat"
 
+# One worker a core (pytest-xdist), a test file's tests on one worker (module fixtures built once).
 test: install-test
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile
 
 lint: install-test
 	$(BIN)/ruff check moestream tests
