@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moestream.bench.compare import COMPARE_SCHEMA
-from moestream.bench.runner import SECTIONS, Section, md_table
+from moestream.bench.runner import SECTIONS, Section, md_table, section_markdown
 
 
 def _size(n: int) -> str:
@@ -60,8 +60,7 @@ def format_markdown(result: dict[str, Any], sections: tuple[Section, ...] = SECT
         lines.append(f"- copy bandwidth: {bw['gbps']:,.1f} GB/s ({bw['source']}, {bw['counts']})")
     for s in sections:
         if s.name in result:
-            head, rows = s.table(result[s.name])
-            lines += ["", f"## {s.name}", "", *md_table(head, rows)]
+            lines += ["", *section_markdown(s, result[s.name])]
     mem = result["memory"]
     lines += ["", "## memory", ""]
     gpu = mem["gpu_peak_bytes"]

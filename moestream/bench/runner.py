@@ -490,6 +490,11 @@ def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def section_markdown(section: Section, data: dict[str, Any]) -> list[str]:
+    """A section's heading and table, as the report and the run's log show it."""
+    return [f"## {section.name}", "", *md_table(*section.table(data))]
+
+
 def run_bench(
     llm: Any,
     config: BenchConfig,
@@ -550,7 +555,7 @@ def run_bench(
             if data is not None:
                 result[s.name] = data
                 if log:  # as measured: a run cut short (a time limit) keeps what it printed
-                    log("\n".join([f"## {s.name}", "", *md_table(*s.table(data)), ""]))
+                    log("\n".join([*section_markdown(s, data), ""]))
     finally:
         power.close()
     if device.type == "cuda":

@@ -270,14 +270,17 @@ class HostCompute:
         returning them. The counts are cleared: later steps run again."""
         if self._poller is None:
             return
-        flags = self._flags_np
-        bad, late = int(flags[2]), int(flags[3])
+        bad, late = self._poll_failures()
         if bad or late:
-            flags[2] = flags[3] = 0
+            self._flags_np[2:4] = 0
             raise RuntimeError(
                 f"the host experts' poller failed: {bad} posts named no job, {late} waits "
                 f"for the host's rows timed out"
             )
+
+    def _poll_failures(self) -> tuple[int, int]:
+        """Posts that named no job, waits that timed out: counted since the last `check`."""
+        return int(self._flags_np[2]), int(self._flags_np[3])
 
     @property
     def counters(self) -> dict[str, float]:
@@ -286,8 +289,7 @@ class HostCompute:
         read between a failed wait and its step's check must not take the failure away)."""
         out = {"calls": 0, "assignments": 0, "bytes": 0, "compute_s": 0.0}
         if self._poller is not None:
-            out["poll_bad_posts"] = int(self._flags_np[2])
-            out["poll_timeouts"] = int(self._flags_np[3])
+            out["poll_bad_posts"], out["poll_timeouts"] = self._poll_failures()
         for layer in self.layers:
             for args in layer.launch_args():
                 if args.status:
