@@ -236,6 +236,8 @@ class LLM:
             spec=spec,
             vocab_tokens=self.source.metadata.get("tokenizer.ggml.tokens"),
         )
+        if self.expert_store is not None:  # its counters by phase (prefill, decode)
+            self.engine.runner.before_forward.append(self.expert_store.counters.enter_step)
         if self.zero_copy and expert_rebalance_steps:
             self.engine.every(expert_rebalance_steps, self.rebalance_experts)
         host_work = next((p.host_work for p in self.zero_copy if p.host_work), None)

@@ -52,14 +52,21 @@ class ExpertsSection:
         return out
 
     def table(self, data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+        counters = data["counters"]
+        phases = counters.get("phases", {})  # a store's, not zero-copy's
         rows = []
-        for key, value in data["counters"].items():
-            if isinstance(value, float):
-                text = f"{value:,.4f}" if value < 10 else f"{value:,.1f}"
-            else:
-                text = f"{value:,}" if isinstance(value, int) else str(value)
-            rows.append([key.replace("_", " "), text])
-        return ["expert store counter", "value"], rows
+        for key, value in counters.items():
+            if key == "phases":
+                continue
+            row = [key.replace("_", " "), _cell(value)]
+            rows.append(row + [_cell(phases[p].get(key)) for p in phases])
+        return ["expert store counter", "all", *phases], rows
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4f}" if value < 10 else f"{value:,.1f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
 def _budgets(llm: Any) -> dict[str, Any]:

@@ -287,7 +287,8 @@ class ExpertStore:
         cold = [e for e, *_ in jobs if host is None or not host.dir.is_mapped(e)]
         if cold:
             self.reader.will_need(layer, cold)
-        futures = [self._prefetch_pool.submit(self._prefetch_one, layer, e, slot, ev)
+        one = self.counters.in_phase(self._prefetch_one)  # counted in the phase issuing it
+        futures = [self._prefetch_pool.submit(one, layer, e, slot, ev)
                    for e, slot, ev in jobs]  # fmt: skip
         with self._inflight_lock:
             self._inflight = [f for f in self._inflight if not f.done()] + futures

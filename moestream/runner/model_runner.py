@@ -191,6 +191,9 @@ class ModelRunner:
         # Called after each step's results are on the host, before they are returned: a check
         # that raises fails the step (the host experts' poller: `HostCompute.check`).
         self.checks: list[Callable[[], None]] = []
+        # Called with each non-empty plan before its forward is queued (the expert store's
+        # counters take the step's phase from it).
+        self.before_forward: list[Callable[[StepPlan], None]] = []
 
     @property
     def has_queued_step(self) -> bool:
@@ -252,6 +255,8 @@ class ModelRunner:
     def _execute(self, plan: StepPlan, ahead: RunAhead | None) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput()
+        for hook in self.before_forward:
+            hook(plan)
         reqs = plan.scheduled
         graph = self._graph_step(reqs)
         if graph is not None and self.graphs is not None:

@@ -368,7 +368,11 @@ def test_bench_reports_expert_counters_when_streaming(tmp_path: Path) -> None:
     c = r["experts"]["counters"]
     assert c["tokens"] > 0 and c["device_hits"] + c["device_misses"] > 0
     assert c["bytes_from_disk"] > 0  # the budget holds fewer experts than the model has
-    assert r["experts"]["budgets"] and "expert store counter" in (out / "result.md").read_text()
+    phases = c["phases"]  # prompts and decode steps counted apart
+    assert phases["prefill"]["tokens"] > 0 and phases["decode"]["tokens"] > 0
+    assert phases["prefill"]["tokens"] + phases["decode"]["tokens"] == c["tokens"]
+    report = (out / "result.md").read_text()
+    assert r["experts"]["budgets"] and "| expert store counter | all | prefill | decode |" in report
 
 
 def test_bench_concurrency_sweep(tmp_path: Path) -> None:

@@ -155,9 +155,16 @@ def test_counters_add_up(source, layout) -> None:
     model, store = load_streamed_model(DEMO, budgets)
     tok = source.tokenizer()
     prompt = tok.encode("def main():\n    parser = argparse.ArgumentParser(")
-    generate(engine_for(model, tok), [prompt])
+    engine = engine_for(model, tok)
+    engine.runner.before_forward.append(store.counters.enter_step)  # as `LLM` does
+    generate(engine, [prompt])
     s = store.counters.snapshot()
     assert s["tokens"] == len(prompt) + 9  # the prefill, then one token per decode step
+    prefill, decode = s["phases"]["prefill"], s["phases"]["decode"]
+    assert prefill["tokens"] == len(prompt) and decode["tokens"] == 9
+    for name in ("device_hits", "device_misses", "disk_reads", "prefetch_issued", "stall_s"):
+        assert prefill[name] + decode[name] == pytest.approx(s[name])
+    assert decode["device_hits"] + decode["device_misses"] == 9 * 6 * 2  # 6 layers, top-2
     assert s["disk_reads"] == s["host_misses"] and s["host_hits"] == 0
     assert s["bytes_from_disk"] == s["bytes_to_device"] > 0  # CPU: read straight into slots
     loads = s["device_misses"] + s["prefetch_issued"]
@@ -169,6 +176,40 @@ def test_counters_add_up(source, layout) -> None:
     assert {"moestream_expert_device_hits", "moestream_expert_stall_s"} <= names
     assert "moestream_expert_prefetch_accuracy" in names
     store.close()
+
+
+def test_counts_go_to_the_phase_that_caused_them() -> None:
+    """A step that feeds a prompt chunk counts as prefill, one of last tokens (with or
+    without drafts) as decode; a job wrapped by `in_phase` on another thread counts in the
+    phase current when it was wrapped, whatever the phase is when it runs."""
+    from moestream.experts.counters import ExpertCounters, phase_of
+    from moestream.types import ScheduledRequest, StepPlan
+
+    def plan(*reqs: tuple[list[int], int, list[int]]) -> StepPlan:
+        return StepPlan([ScheduledRequest(f"r{i}", fed, start, [0], True, drafts,
+                                          prompt_token_ids=[1, 2, 3, 4])
+                         for i, (fed, start, drafts) in enumerate(reqs)])  # fmt: skip
+
+    assert phase_of(plan(([9], 5, []), ([9], 6, [7, 7]))) == "decode"
+    assert phase_of(plan(([9], 5, []), ([3, 4], 2, []))) == "prefill"  # a chunk beside a decode
+    assert phase_of(plan(([4], 3, []))) == "prefill"  # the prompt's last token (rest cached)
+    assert phase_of(plan(([4, 9, 9], 3, []))) == "prefill"  # recomputed after preemption
+    counters = ExpertCounters()
+    counters.enter_step(plan(([1, 2], 0, [])))
+    job = counters.in_phase(lambda: counters.add(prefetch_issued=1))
+    counters.add(device_hits=2)
+    counters.enter_step(plan(([9], 5, [])))
+    worker = threading.Thread(target=job)
+    worker.start()
+    worker.join()
+    counters.add(prefetch_useful=1, device_hits=1)
+    s = counters.snapshot()
+    prefill, decode = s["phases"]["prefill"], s["phases"]["decode"]
+    assert (prefill["prefetch_issued"], prefill["device_hits"]) == (1, 2)
+    assert (decode["prefetch_useful"], decode["device_hits"]) == (1, 1)
+    assert decode["prefetch_issued"] == 0
+    assert s["prefetch_accuracy"] == 1.0 and decode["prefetch_accuracy"] is None
+    assert counters["device_hits"] == 3
 
 
 def test_acquire_pins_experts_and_fills_the_slot_table(source, layout) -> None:
