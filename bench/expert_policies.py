@@ -8,7 +8,8 @@
    prints the device hit rate (mean over layers), with Belady's offline optimum as the ceiling.
 3. With `--store-tokens N`, decodes N tokens through a real `ExpertStore` per policy (smallest
    cache, nothing in host RAM) and prints its counters: hit rate, prediction recall, prefetch
-   accuracy, stall per token and bytes read from disk per token.
+   accuracy, stall per token and bytes read from disk per token, over the whole run and over
+   its decode steps alone (the prompt's prefill reads most experts of every layer at once).
 
     python bench/expert_policies.py [--slots 2,3,4,5,6] [--store-tokens 48] [--device cuda]
                                     [--json out.json]
@@ -145,10 +146,12 @@ def store_runs(llm: LLM, prompt: list[int], tokens: int) -> list[dict[str, Any]]
                 opts = {k: v for k, v in POLICIES[name].items()}
                 store = build_expert_store(llm.source, c, budgets, llm.device, **opts)
                 attach_expert_store(llm.model, store, predict=predict)
+                llm.engine.runner.before_forward[:] = [store.counters.enter_step]  # phases
                 start = time.perf_counter()
                 llm.generate([prompt], params)
                 elapsed = time.perf_counter() - start
                 s = store.counters.snapshot()
+                d = s["phases"]["decode"]
                 rows.append({
                     "slots": slots, "policy": name, "predict": predict,
                     "tokens": s["tokens"], "device_hit_rate": s["device_hit_rate"],
@@ -157,6 +160,10 @@ def store_runs(llm: LLM, prompt: list[int], tokens: int) -> list[dict[str, Any]]
                     "stall_ms_per_token": s["stall_ms_per_token"],
                     "disk_kib_per_token": s["bytes_from_disk"] / s["tokens"] / 1024,
                     "tok_s": tokens / elapsed,
+                    "decode_device_hit_rate": d["device_hit_rate"],
+                    "decode_prefetch_accuracy": d["prefetch_accuracy"],
+                    "decode_stall_ms_per_token": d["stall_ms_per_token"],
+                    "decode_disk_kib_per_token": d["bytes_from_disk"] / max(d["tokens"], 1) / 1024,
                 })  # fmt: skip
                 store.close()
     return rows
@@ -212,15 +219,19 @@ def main() -> None:
         print(f"\nExpertStore, {len(prompt)}-token prompt + {args.store_tokens} decoded tokens, "
               f"host tier 0 (every miss read from the file), device {llm.device}:\n")  # fmt: skip
         print("| slots | policy | predict | hit rate | pred. recall | prefetch acc. | "
-              "stall ms/tok | disk KiB/tok | tok/s |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
+              "stall ms/tok | disk KiB/tok | tok/s | decode: hit rate | prefetch acc. | "
+              "stall ms/tok | disk KiB/tok |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             stall = r["stall_ms_per_token"] or 0.0
             print(
                 f"| {r['slots']} | {r['policy']} | {'yes' if r['predict'] else 'no'} | "
                 f"{_pct(r['device_hit_rate'])} | {_pct(r['prediction_recall'])} | "
                 f"{_pct(r['prefetch_accuracy'])} | {stall:.2f} | "
-                f"{r['disk_kib_per_token']:.0f} | {r['tok_s']:.1f} |"
+                f"{r['disk_kib_per_token']:.0f} | {r['tok_s']:.1f} | "
+                f"{_pct(r['decode_device_hit_rate'])} | {_pct(r['decode_prefetch_accuracy'])} | "
+                f"{r['decode_stall_ms_per_token'] or 0.0:.2f} | "
+                f"{r['decode_disk_kib_per_token']:.0f} |"
             )
         result["store_runs"] = rows
     if args.json:
