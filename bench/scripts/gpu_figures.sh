@@ -1292,6 +1292,15 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s25a)  # next session: the disk tier's ceiling (the store's reader, O_DIRECT, random whole
+    # experts of the 30B; prediction: 3-7 GB/s at 8 threads, so a 50% token's ~0.55 GB of
+    # misses caps batch 1 at 5-13 tok/s, against the 9.0 measured), then s24a (the rest on
+    # disk at 25%, cut twice) with the counters by phase (decode prefetch accuracy apart)
+    synth qwen3-30b-a3b q30
+    timeout 90 python3 bench/disk_read.py /tmp/q30.gguf --threads 1,4,8,16 --experts 256 \
+      --rounds 3 2>&1 | tee "$out/disk_read.md" | tail -12
+    disk 4.4 420 8
+    ;;
   s18c)  # the GPU's MoE bits against the exact interpreters, to its end (cut at 200 s in s16a)
     timeout 560 python3 -m pytest tests/kernels/test_exact.py -q -p no:cacheprovider -rfs \
       --durations=3 2>&1 | tail -8
