@@ -85,16 +85,15 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         assert {args.threads for args in layer.host_work.launch_args()} == {1}
         remarked = hybrid(layer, x, ids, weights)
         assert compute.counters["assignments"] == 4 + 3  # ids 0, 3, 2 (1 on the device)
-        # a long forward's launch: the host tier copied to a prefill stage and read there, no
-        # host work (`layers.moe.SparseMoE.forward_routed`), the same launch shape
+        # a long forward's launch reads the host tier from a prefill stage, with no host work
+        # (`layers.moe.SparseMoE.forward_routed`; its output: test_zero_copy's stage test, and
+        # with host experts marked, test_host_compute_gpu's)
         layer.attach_stage(ExpertStage([w.data.numel() for w in layer._host], torch.device("cpu")))
         addr, on_stage = layer.addresses(STAGE_MIN_TOKENS)
         assert on_stage and not torch.equal(addr, layer.expert_addr)
-        staged = fused_moe(x, ids, weights, *layer.stacked(), layer.host_marks, method="mmvq",
-                           mmvq_cfg=HYBRID_CONFIG, expert_addr=addr)  # fmt: skip
         assert compute.counters["assignments"] == 7
     assert np.abs(want.numpy()).max() > 0
-    for out in (got, after, remarked, staged):
+    for out in (got, after, remarked):
         assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     with pytest.raises(ValueError, match="n_cpu"):
         layer.set_cpu_slots(4)
@@ -116,8 +115,8 @@ class Shifted:
 def test_the_kernels_add_the_hosts_rows_for_marked_experts_only() -> None:
     gate, up, down = stacks(6)
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(7))
-    ids = torch.tensor([[1, 0], [3, 0]])  # token 0 has a host expert (1), token 1 none
-    weights = torch.full((2, K), 0.5)
+    ids = torch.tensor([[1], [3]])  # token 0's expert is the host's (1), token 1's is not
+    weights = torch.ones(2, 1)  # (one expert a token: half the interpreter's time of two)
     layer = ZeroCopyExperts([gate, up, down], 1, "cpu", n_cpu=1,
                             compute=HostCompute(torch.device("cpu"), threads=1))  # fmt: skip
     with exact_interpreter():

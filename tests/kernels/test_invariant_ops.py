@@ -40,13 +40,12 @@ def test_moe_tokens_do_not_depend_on_the_batch() -> None:
     up = stacked(T.Q4_K, (4, 256, 256), seed=2)
     down = stacked(T.Q6_K, (4, 256, 256), seed=3)
     slot = torch.arange(4, dtype=torch.int32, device=DEVICE)
-    x = activations(3, 256, torch.bfloat16, seed=4)
-    ids, weights = routing(3, 2, [0, 1, 2, 3], seed=5)
+    # two tokens, the second alone (each token's experts cost the interpreter ~a minute)
+    x = activations(2, 256, torch.bfloat16, seed=4)
+    ids, weights = routing(2, 2, [0, 1, 2, 3], seed=5)
     full = ops.invariant_moe(x, ids, weights, gate, up, down, slot)
-    for t in (1,):
-        one = ops.invariant_moe(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate, up, down,
-                                slot)  # fmt: skip
-        assert torch.equal(one[0], full[t])
+    one = ops.invariant_moe(x[1:], ids[1:], weights[1:], gate, up, down, slot)
+    assert torch.equal(one[0], full[1])
 
 
 def test_row_chunks_pad_to_one_shape() -> None:
