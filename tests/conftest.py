@@ -42,7 +42,10 @@ def _patch_language_once_per_launch() -> None:
     def patch_lang(fn):
         langs = languages(fn)
         if patched:  # a helper called within a launch (its scope is never restored)
-            return scope_type() if langs <= patched[-1] else original(fn)
+            if langs <= patched[-1]:
+                return scope_type()
+            patched[-1] |= langs  # e.g. `tl.sum`'s module sees `tl.core`: patched from now on
+            return original(fn)
         scope = original(fn)
         patched.append(langs)
         restore = scope.restore
