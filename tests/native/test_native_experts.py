@@ -111,8 +111,10 @@ def test_gate_up_q4_k_rows_and_bad_arguments() -> None:
         native.gate_up_q4_k(args[0].astype(np.int8), *args[1:], 2)
 
 
-@pytest.mark.parametrize("chunk", [1, 8])
-@pytest.mark.parametrize("down_type", [T.Q6_K, T.Q4_K], ids=["Q6_K", "Q4_K"])
+# each down type and each chunk once (a minute of the interpreter a case)
+@pytest.mark.parametrize(
+    ("down_type", "chunk"), [(T.Q6_K, 1), (T.Q4_K, 8)], ids=["Q6_K-1", "Q4_K-8"]
+)
 def test_a_tokens_experts_on_the_cpu_give_the_reproducible_kernels_bits(down_type, chunk) -> None:
     """One token, three experts: gate/up, SiLU, the q8 rounding of h and the weighted down
     projection of each computed by the C code, summed in selection order from 0.0, equal the
