@@ -15,6 +15,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: one worker a core
+    torch.set_num_threads(1)  # torch's own threads would only wait on each other's cores
 
 
 def _patch_language_once_per_launch() -> None:
