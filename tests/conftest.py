@@ -4,7 +4,8 @@ The switch must be set before triton is first imported (`triton.jit` reads it wh
 defined), whichever test module happens to import a kernel module first; a per-module setting
 comes too late when an earlier module already imported one. Two of the interpreter's costs that
 change no result are then taken out (`_patch_language_once_per_launch`, `_no_overflow_checks`):
-the kernel tests ran about 1.6x faster under Triton 3.9.
+five kernel test files took 1,544 s before and 382 s after under Triton 3.9 (bench/RESULTS.md,
+eighteenth session).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`: one worker a core
 def _patch_language_once_per_launch() -> None:
     """Triton's interpreter patches `triton.language` (every builtin re-wrapped, found by
     `inspect.getmembers`) at each kernel launch, and again at each call of a `@triton.jit`
-    helper inside the kernel, where the launch's patches are already in place. The kernels here
-    call helpers in their inner loops, so the repeats were most of the suite's time under the
-    interpreter. A helper call within a launch now skips the patching when its module sees no
-    language module the launch did not patch; the kernels compute the same values (the patches
-    are the same functions). Versions without these internals run as they are."""
+    helper inside the kernel, where the launch's patches are already in place (18% of the
+    host-compute test's time in a profile). A helper call within a launch now skips the
+    patching when its module sees no language module the launch has patched so far; the
+    kernels compute the same values (the patches are the same functions). Versions without
+    these internals run as they are."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -35,28 +36,28 @@ def _patch_language_once_per_launch() -> None:
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     if original is None or scope_type is None or getattr(original, "once", False):
         return
-    patched: list[set[int]] = []  # the language modules the running launch patched
+    launch: set = set()  # the language modules the running launch patched (launches never nest)
 
-    def languages(fn) -> set[int]:
+    def languages(fn) -> set:
         tl = interpreter.tl
-        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        return {v for v in fn.__globals__.values() if v is tl or v is tl.core}
 
     def patch_lang(fn):
         langs = languages(fn)
-        if patched:  # a helper called within a launch (its scope is never restored)
-            if langs <= patched[-1]:
+        if launch:  # a helper called within a launch (its scope is never restored)
+            if langs <= launch:
                 return scope_type()
-            patched[-1] |= langs  # e.g. `tl.sum`'s module sees `tl.core`: patched from now on
+            launch.update(langs)  # e.g. `tl.sum`'s module sees `tl.core`: patched from now on
             return original(fn)
         scope = original(fn)
-        patched.append(langs)
+        launch.update(langs)
         restore = scope.restore
 
-        def restore_and_pop() -> None:
-            patched.pop()
+        def restore_and_end() -> None:
+            launch.clear()
             restore()
 
-        scope.restore = restore_and_pop
+        scope.restore = restore_and_end
         return scope
 
     patch_lang.once = True  # type: ignore[attr-defined]
