@@ -1292,6 +1292,27 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s26a)  # the streamed slots' overhead: at 50% on the device, decode from the disk took
+    # ~149 ms a token with 35 ms of it counted as stall (s25a's follow-up run); the host tier's
+    # streaming gave 10.2 tok/s long ago. Where the rest goes: py-spy over the bench's
+    # decode with the rest streamed from pinned host memory (no disk), then the GPU timeline
+    synth qwen3-30b-a3b q30
+    spy=/tmp/site/bin/py-spy; common=(/tmp/q30.gguf --device cuda --kv-cache-gib 4
+      --gpu-expert-cache-gib 8.8 --prompt-lens 32 --decode-depths 0 --decode-tokens 32
+      --repeats 2)
+    timeout 170 "$spy" record --threads --idle --format raw -r 250 -o "$out/spy_host.txt" -- \
+      python3 -m moestream.cli bench "${common[@]}" --host-expert-cache-gib 24 \
+      --out /tmp/r/host_stream > "$out/host_stream.log" 2>&1
+    echo "py-spy rc=$?"; sed -n '/^## decode/,/^## memory/p' "$out/host_stream.log" | head -50
+    if [[ ! -s "$out/spy_host.txt" ]]; then
+      timeout 170 python3 -m cProfile -o "$out/host_stream.prof" -m moestream.cli bench \
+        "${common[@]}" --host-expert-cache-gib 24 --out /tmp/r/host_stream2 \
+        > "$out/host_stream2.log" 2>&1; echo "cProfile rc=$?"
+    fi
+    timeout 150 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 8 \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_stream.md" | head -40
+    ;;
   s25a)  # next session: the disk tier's ceiling (the store's reader, O_DIRECT, random whole
     # experts of the 30B; prediction: 3-7 GB/s at 8 threads, so a 50% token's ~0.55 GB of
     # misses caps batch 1 at 5-13 tok/s, against the 9.0 measured), then s24a (the rest on
