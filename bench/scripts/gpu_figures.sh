@@ -1292,6 +1292,28 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s26b)  # the I/O threads' copy wait asleep (store.COPY_WAIT_BLOCKING) against spinning, in
+    # turn, experts streamed into slots from pinned host memory at 50% on the device (s26a:
+    # 5.3 tok/s, the GPU busy 2% of a step, every launch ~10x slower than eager), then the disk
+    # at 50% and the GPU timeline with the new wait. Prediction: 5.3 -> 15-30 tok/s
+    synth qwen3-30b-a3b q30
+    for arm in False True False True; do
+      timeout 100 python3 -c "import sys, moestream.experts.store as s
+s.COPY_WAIT_BLOCKING = $arm
+from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
+        --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+        --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2 \
+        --out "/tmp/r/wait_$arm" > "$out/wait_$arm.log" 2>&1
+      echo "blocking=$arm rc=$? $(grep -A3 '^## decode' "$out/wait_$arm.log" | tail -1)"
+    done
+    cp /tmp/r/wait_True/result.json "$out/wait_True.json"
+    bench disk_g8.8b 110 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+      --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 0 --expert-direct-io \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2
+    timeout 120 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 8 \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_stream.md" | head -24
+    ;;
   s26a)  # the streamed slots' overhead: at 50% on the device, decode from the disk took
     # ~149 ms a token with 35 ms of it counted as stall (s25a's follow-up run); the host tier's
     # streaming gave 10.2 tok/s long ago. Where the rest goes: py-spy over the bench's

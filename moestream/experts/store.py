@@ -48,6 +48,12 @@ from moestream.experts.tiers import (
 
 _CPU = torch.device("cpu")
 
+# An I/O thread waits for its copy by sleeping (cudaEventBlockingSync), not spinning: eight
+# threads spinning in the driver on their copies' events slowed the compute thread's every
+# launch ~10x (the H200, decode with experts streamed into slots; bench/RESULTS.md, nineteenth
+# session). A module constant so that the bench can set the old wait beside the new.
+COPY_WAIT_BLOCKING = True
+
 
 class ExpertStore:
     """Experts of all MoE layers of one model file, placed by `placement` (see module doc).
@@ -418,9 +424,9 @@ class ExpertStore:
                     self.copy_stream.wait_event(evict_event)
                 for d, s in zip(dst, src, strict=True):
                     d.copy_(s, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=COPY_WAIT_BLOCKING)
                 done.record(self.copy_stream)
-            done.synchronize()  # this I/O thread waits, never the compute thread
+            done.synchronize()  # this I/O thread waits (asleep), never the compute thread
         return sum(d.numel() for d in dst)
 
     @staticmethod
