@@ -1292,6 +1292,22 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s26c)  # why the streamed decode's host is slow (s26b: the blocking wait did not help, 9.5
+    # spin / 8.1 blocking tok/s; ~100-300 us of host time before every kernel): the resident
+    # model's eager decode (no graphs) as the baseline of eager Python, then py-spy without
+    # --idle over the streamed decode (samples only while the main thread runs: a thread that
+    # waits for the GIL or a lock drops out)
+    synth qwen3-30b-a3b q30
+    bench eager 100 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --enforce-eager \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2
+    spy=/tmp/site/bin/py-spy
+    timeout 150 "$spy" record --threads --format raw -r 100 -o "$out/spy_active.txt" -- \
+      python3 -m moestream.cli bench /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+      --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 --prompt-lens 32 \
+      --decode-depths 0 --decode-tokens 24 --repeats 2 --out /tmp/r/spy_active \
+      > "$out/spy_active.log" 2>&1
+    echo "py-spy rc=$?"; grep -A4 '^## decode' "$out/spy_active.log" | tail -1
+    ;;
   s26b)  # the I/O threads' copy wait asleep (store.COPY_WAIT_BLOCKING) against spinning, in
     # turn, experts streamed into slots from pinned host memory at 50% on the device (s26a:
     # 5.3 tok/s, the GPU busy 2% of a step, every launch ~10x slower than eager), then the disk
