@@ -1292,6 +1292,24 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s26d)  # decode with streamed experts as chains of CUDA graphs (runner/piecewise.py): the
+    # GPU test (graph bits = eager bits), then the figures s26b/s25a measured eagerly: the host
+    # tier streamed into slots at 50% (eager 8.1-9.5 tok/s), the disk at 50% (6.7-7.6) and 25%
+    # (3.6). Prediction: host tier 50% 60-150 tok/s; disk 50% 20-35 and 25% 5-8 (the stall,
+    # 31 and 138 ms a token eagerly, is then most of a token)
+    synth qwen3-30b-a3b q30
+    timeout 120 python3 -m pytest tests/runner/test_piecewise.py -q -p no:cacheprovider \
+      --tb=short 2>&1 | tail -4
+    bench pw_host 90 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32 \
+      --repeats 3
+    bench pw_disk50 90 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+      --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 0 --expert-direct-io \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2
+    bench pw_disk25 100 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
+      --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 0 --expert-direct-io \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2
+    ;;
   s26c)  # why the streamed decode's host is slow (s26b: the blocking wait did not help, 9.5
     # spin / 8.1 blocking tok/s; ~100-300 us of host time before every kernel): the resident
     # model's eager decode (no graphs) as the baseline of eager Python, then py-spy without

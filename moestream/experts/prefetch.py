@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moestream.layers import moe as moe_layer
+from moestream.runner import piecewise
 from moestream.weights.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 # Token-group passes may use (pin, loading where missing) each routed expert this many times
 # on average before the per-expert path is cheaper in loads.
 EXACT_USES_PER_EXPERT = 8.0
+
+# Rows of the pinned buffer a captured layer copies its routing into: the most tokens a graph
+# of a streamed layer takes (runner/cuda_graph.BUCKETS tops at 32).
+GRAPH_ROWS = 256
 
 
 def split_tokens(
@@ -267,24 +272,119 @@ class StreamedMoE:
 
     @property
     def capturable(self) -> bool:
-        """Never: the forward reads the routing on the host."""
+        """Never as one graph: the forward reads the routing on the host. A chain of graphs
+        cut at that read can (`graph_tokens`, runner/piecewise.py)."""
         return False
+
+    @property
+    def graph_tokens(self) -> int:
+        """The most tokens a forward can take inside a chain of graphs (runner/piecewise.py):
+        its routed experts always fit the layer's slots there (one fused kernel over pinned
+        slots, the same as eager); 0 where that path cannot run (the CPU, kernels that do not
+        take the experts' types)."""
+        moe, provider = self.moe, self.provider
+        if not provider.store.cuda or not moe_layer.graphable_experts(
+            moe.router, provider.stacked()
+        ):
+            return 0
+        if provider.fully_resident:
+            return 1 << 30
+        return provider.n_slots // moe.top_k
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], exactly what the wrapped layer computes."""
-        moe, provider = self.moe, self.provider
-        weights, ids = moe_layer.route(x, moe.router, moe.top_k, moe.norm_topk_prob)  # [T, k]
+        moe = self.moe
+        counters = self._route_counters(x)
+        weights, ids = moe_layer.route(x, moe.router, moe.top_k, moe.norm_topk_prob, counters[0])
+        both = ids
         if self.next_router is not None:
-            _, next_ids = moe_layer.route(x, self.next_router, moe.top_k, moe.norm_topk_prob)
-            rows = torch.cat([ids, next_ids], dim=1).tolist()  # one host sync for both
-            token_experts = [row[: moe.top_k] for row in rows]
-            provider.store.predict(provider.layer + 1, {e for r in rows for e in r[moe.top_k :]})
-        else:
-            token_experts = ids.tolist()
+            _, next_ids = moe_layer.route(
+                x, self.next_router, moe.top_k, moe.norm_topk_prob, counters[1]
+            )
+            both = torch.cat([ids, next_ids], dim=1)  # [T, 2k]: one host read for both
+        cutter = piecewise.active()
+        if cutter is not None:
+            return self._captured(cutter, x, weights, ids, both)
+        if x.is_cuda:
+            self._rows_buffer(both)  # made here, outside any capture (a graph copies into it)
+        token_experts = self._host_rows(both.tolist())
         try:
             return self._forward(x, weights, ids, token_experts)
         finally:
-            provider.end()  # the work is enqueued: the pins may go (LayerExperts.acquire)
+            self.provider.end()  # the work is enqueued: the pins may go (LayerExperts.acquire)
+
+    def _route_counters(self, x: torch.Tensor) -> tuple[Any, Any]:
+        """The fused routers' arrival counters of this layer and of its prediction, made once
+        (outside any capture: a graph replays with them)."""
+        if "counters" not in self.__dict__:
+            made: tuple[Any, Any] = (None, None)
+            if x.device.type == "cuda" and moe_layer.ops.HAS_TRITON:
+                from moestream.kernels.router import route_counters
+
+                made = (route_counters(x.device), route_counters(x.device))
+            self.__dict__["counters"] = made
+        return self.__dict__["counters"]
+
+    def _rows_buffer(self, both: torch.Tensor) -> torch.Tensor:
+        """Pinned host rows for `both` [T, c] (a view of one buffer of GRAPH_ROWS rows, made
+        on the first call, which is never a capture: the warm-up run precedes it)."""
+        buf = self.__dict__.get("rows")
+        if buf is None or buf.shape[1] != both.shape[1]:
+            if both.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the routing's host buffer must exist before a capture")
+            buf = torch.empty(
+                (GRAPH_ROWS, both.shape[1]), dtype=both.dtype, pin_memory=both.is_cuda
+            )
+            self.__dict__["rows"] = buf
+        if both.shape[0] > buf.shape[0] or both.dtype != buf.dtype:
+            raise RuntimeError(f"routing of {tuple(both.shape)} does not fit the host buffer")
+        return buf[: both.shape[0]]
+
+    def _host_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        """Each token's experts from the rows read on the host (routed, then predicted when
+        there is a next router); prefetches the prediction."""
+        k = self.moe.top_k
+        if self.next_router is not None:
+            self.provider.store.predict(self.provider.layer + 1, {e for r in rows for e in r[k:]})
+            return [row[:k] for row in rows]
+        return rows
+
+    def _captured(
+        self,
+        cutter: Any,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        both: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward inside a chain of graphs: the routing goes to pinned host memory, the
+        piece ends; at replay the host reads it, loads and pins the routed experts and updates
+        the slot table (`before`), the next piece runs the fused kernel over the pinned slots,
+        then the pins go (`after`). The same kernels on the same operands as `_forward`'s fused
+        path, so the same bits."""
+        provider, paths = self.provider, self.paths
+        if x.shape[0] > self.graph_tokens:
+            raise RuntimeError(
+                f"{x.shape[0]} tokens exceed layer {provider.layer}'s graph limit "
+                f"({self.graph_tokens}): its routed experts might not fit its slots"
+            )
+        rows = self._rows_buffer(both)
+        rows.copy_(both, non_blocking=True)
+
+        def before() -> None:
+            if provider.store.cuda:  # the piece's copy of the routing has landed
+                torch.cuda.current_stream(provider.store.device).synchronize()
+            token_experts = self._host_rows(rows.tolist())
+            routed = sorted({e for experts in token_experts for e in experts})
+            if provider.fully_resident:
+                provider.begin(token_experts)
+            else:
+                provider.begin(token_experts, load=routed, pin=True)
+            paths["fused"] += 1
+            provider.refresh_table()  # queued before the next piece, which reads it
+
+        cutter.cut(before, provider.end)
+        return self.moe.forward_routed(x, weights, ids, provider._expert_slot)
 
     def _forward(
         self,

@@ -9,6 +9,7 @@ Letters: T tokens, H hidden size, F expert FFN size, E experts, k experts used p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -131,6 +132,14 @@ def topk_softmax_ref(
     return weights, ids
 
 
+def graphable_experts(router: QTensor, stacked: Sequence[QTensor]) -> bool:
+    """Whether a router and expert stacks (gate, up, down) run without the host on the kernel
+    path: no host table for the router, every stack of a kernel type and group-aligned."""
+    return not needs_host_table(router) and all(
+        w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0 for w in stacked
+    )
+
+
 def fused_moe_path(x: torch.Tensor) -> bool:
     """Whether `SparseMoE` runs the routed experts of activation `x` as one `ops.moe_forward`
     call over stacked weights and an `expert_slot` table (everywhere but the CPU, where the
@@ -192,10 +201,7 @@ class SparseMoE:
         CUDA graph can capture it. Providers that stream experts are not capturable."""
         if not self.resident:
             return False
-        return not needs_host_table(self.router) and all(
-            w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0
-            for w in self.experts.stacked()  # type: ignore[attr-defined]
-        )
+        return graphable_experts(self.router, self.experts.stacked())  # type: ignore[attr-defined]
 
     def takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the forward on x [T, H] rounds x to q8 blocks (the fused kernel's integer-dot

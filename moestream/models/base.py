@@ -202,6 +202,29 @@ class CausalLM:
         """Whether decode steps can run as CUDA graphs: a CUDA model on the Triton kernel path
         whose every layer is capturable (no host sync, no host copies: resident experts on the
         fused MoE kernel, no weight type that dequantizes through a host table)."""
+        return self._graphable_outside_ffns() and all(
+            getattr(layer.ffn, "capturable", False) for layer in self.layers
+        )
+
+    @property
+    def piecewise_graph_tokens(self) -> int:
+        """The most tokens a decode step can take as a chain of CUDA graphs cut at host points
+        (runner/piecewise.py): where some layer's FFN cannot be captured whole but can be cut
+        (`graph_tokens`: streamed experts), the least of those layers' limits; 0 where a chain
+        cannot run or a whole graph can (`supports_cuda_graphs`)."""
+        if not self._graphable_outside_ffns():
+            return 0
+        limit, cut = 1 << 30, False
+        for layer in self.layers:
+            if getattr(layer.ffn, "capturable", False):
+                continue
+            tokens = getattr(layer.ffn, "graph_tokens", 0)
+            if not tokens:
+                return 0
+            limit, cut = min(limit, tokens), True
+        return limit if cut else 0
+
+    def _graphable_outside_ffns(self) -> bool:
         return (
             self.device.type == "cuda"
             and HAS_TRITON
@@ -209,7 +232,6 @@ class CausalLM:
             and self.embed_tokens.qtype not in HOST_TABLE_QTYPES
             and not needs_host_table(self.lm_head)
             and all(layer.attn.capturable for layer in self.layers)
-            and all(getattr(layer.ffn, "capturable", False) for layer in self.layers)
         )
 
     def cache_weight_values(self, budget_bytes: int) -> int:

@@ -42,7 +42,8 @@ and 31 * 30 = 930 verify rows (all 26 graphs; a Qwen3 vocabulary of 151,936: ~38
 
 The forward must make no host synchronisation and no host -> device copy, and must read its
 inputs only from the buffers it is given (`CausalLM.supports_cuda_graphs` says when a model's
-does); `decode_graphs_for` returns None where graphs cannot run (CPU, streamed experts, ...).
+does; runner/piecewise.py cuts a forward with streamed experts into a chain of graphs);
+`decode_graphs_for` returns None where graphs cannot run (CPU, ...).
 """
 
 from __future__ import annotations
@@ -487,10 +488,22 @@ def decode_graphs_for(
     verify_tokens: Sequence[int] = VERIFY_TOKENS,
 ) -> DecodeGraphs | None:
     """Decode and verify graphs over `model` and its KV pool, or None where the model cannot
-    be captured (`CausalLM.supports_cuda_graphs`: not CUDA, no triton, streamed experts, ...).
+    be captured (`CausalLM.supports_cuda_graphs`: not CUDA, no triton, ...; with streamed
+    experts, decode graphs in pieces, `CausalLM.piecewise_graph_tokens`).
     Each graph computes the forward and the output head: logits [B * K, V] float32."""
+    backend: GraphBackend | None = None
     if not model.supports_cuda_graphs:
-        return None
+        # Streamed experts: a chain of graphs cut where each streamed layer reads its routing
+        # (runner/piecewise.py), at the batch sizes whose routed experts fit every layer's
+        # slots; no verify graphs (drafted steps run eagerly).
+        most = model.piecewise_graph_tokens
+        buckets = [b for b in buckets if b <= most]
+        if not buckets:
+            return None
+        from moestream.runner.piecewise import PiecewiseCudaGraphBackend
+
+        backend = PiecewiseCudaGraphBackend(model.device)
+        verify_buckets = verify_tokens = ()
     context_blocks = -(-model.config.context_length // block_size)
     max_blocks = min(context_blocks, kv.num_blocks)
 
@@ -503,6 +516,7 @@ def decode_graphs_for(
         max_blocks,
         model.device,
         buckets,
+        backend=backend,
         verify_buckets=verify_buckets,
         verify_tokens=verify_tokens,
     )

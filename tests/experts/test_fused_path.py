@@ -257,3 +257,85 @@ def test_pinned_load_pins_all_or_none(source) -> None:
         experts.release()
         assert not tier.dir.pins
         store.check()
+
+
+class StepCutter:
+    """A chain of graphs as the CPU can run one (runner/piecewise.py): the forward computes as it
+    is 'captured', so each cut's `before` runs at once and its `after` at the next cut or at
+    the step's end, the order a replay runs them in. On only in decode steps (the chains' only
+    steps)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.cuts = 0
+        self.after: list = []
+
+    def cut(self, before, after) -> None:
+        self.finish()
+        before()
+        self.after.append(after)
+        self.cuts += 1
+
+    def finish(self) -> None:
+        while self.after:
+            self.after.pop()()
+
+
+def test_streamed_layers_cut_for_graphs_match_resident(reference, device_path, monkeypatch):
+    """Decode steps through the captured path of every streamed layer (the routing read from
+    the host buffer the piece copied it into, the experts loaded and pinned, the slot table
+    refreshed, the fused call, the pins released after) give the plain model's bits."""
+    from moestream.runner import piecewise
+
+    llm = LLM(DEMO_MODEL, device="cpu", enable_prefix_caching=False)
+    cutter = StepCutter()
+    monkeypatch.setattr(piecewise, "active", lambda: cutter if cutter.on else None)
+
+    def graph_tokens(self):
+        return self.provider.n_slots // self.moe.top_k
+
+    monkeypatch.setattr(StreamedMoE, "graph_tokens", property(graph_tokens))
+
+    def decode_only(plan) -> None:
+        cutter.finish()  # the previous step's last `after`
+        reqs = plan.scheduled
+        cutter.on = len(reqs) <= 3 and all(len(s.token_ids) == 1 for s in reqs)
+
+    llm.engine.runner.before_forward.append(decode_only)
+    budgets = budgets_for(llm, 7, 0)  # of 8 experts: 3 tokens' routing always fits
+    with build_expert_store(llm.source, llm.config, budgets, "cpu") as store:
+        attach_expert_store(llm.model, store)
+        streamed = [layer.ffn for layer in llm.model.layers]
+        assert all(isinstance(f, StreamedMoE) and f.graph_tokens == 3 for f in streamed)
+        outs = llm.generate(PROMPTS, GREEDY)
+        cutter.finish()
+        cutter.on = False  # `logits` runs the model outside the runner: a prefill
+        assert [o.token_ids for o in outs] == reference[0]
+        assert [[lp.logprob for lp in o.logprobs] for o in outs] == reference[1]  # bit for bit
+        assert torch.equal(llm.logits(PROMPTS[1]), reference[2])
+        # the three prompts decode together: 5 steps after the prefill, a cut per layer each
+        assert cutter.cuts == len(streamed) * (GREEDY.max_tokens - 1)
+        store.check()
+        assert all(not t.dir.pins for t in store.device_tiers)  # every pin released
+        snap = store.counters.snapshot()
+        assert snap["predicted"] > 0 and snap["predicted_correct"] > 0
+        assert paths(llm)["fused"] > 0
+
+
+def test_a_layer_past_its_graph_limit_is_refused(source, device_path, monkeypatch) -> None:
+    """A captured forward whose tokens could route to more experts than the layer's slots is
+    an error, never a silent wrong table."""
+    from moestream.runner import piecewise
+
+    llm = LLM(DEMO_MODEL, device="cpu", enable_prefix_caching=False)
+    with build_expert_store(llm.source, llm.config, budgets_for(llm, 4, 0), "cpu") as store:
+        attach_expert_store(llm.model, store)
+        ffn = llm.model.layers[0].ffn
+        assert ffn.graph_tokens == 0  # the CPU: no chains of graphs
+        cutter = StepCutter()
+        monkeypatch.setattr(piecewise, "active", lambda: cutter)
+        monkeypatch.setattr(StreamedMoE, "graph_tokens", property(lambda self: 2))
+        x = torch.randn(3, llm.config.hidden_size)
+        with pytest.raises(RuntimeError, match="3 tokens exceed layer 0's graph limit"):
+            ffn(x)
+        assert cutter.cuts == 0
