@@ -24,8 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from moestream.experts import ExpertBudgets, ExpertLayout, attach_expert_store  # noqa: E402
-from moestream.experts import build_expert_store  # noqa: E402
+from moestream.experts import (  # noqa: E402
+    ExpertBudgets,
+    ExpertLayout,
+    attach_expert_store,
+    build_expert_store,
+)
 from moestream.llm import LLM  # noqa: E402
 from moestream.types import SamplingParams  # noqa: E402
 from moestream.weights.synth import synth_gguf  # noqa: E402
@@ -71,7 +75,8 @@ def main() -> int:
         synth_gguf("tiny-qwen3-moe", "Q4_K_M", model, progress=False)
     print(f"{model}: {args.slots} device slots a layer, {args.prompts} random prompts x "
           f"{args.tokens} tokens, decode steps only\n")  # fmt: skip
-    print("| decode | distinct tokens | device hit rate | prefetch accuracy | KiB from file a token |")
+    print("| decode | distinct tokens | device hit rate | prefetch accuracy "
+          "| KiB from file a token |")  # fmt: skip
     print("|---|---|---|---|---|")
     for name, t in (("greedy", 0.0), ("temperature 1", 1.0)):
         r = run(model, args.slots, args.tokens, args.prompts, t)

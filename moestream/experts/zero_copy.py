@@ -412,8 +412,12 @@ def zero_copy_snapshot(providers: Sequence[ZeroCopyExperts]) -> dict[str, float 
     compute = next((p.host_work.compute for p in providers if p.host_work), None)
     stage = next((p.stage for p in providers if p.stage), None)
     stage_copies, stage_bytes = stage.counts() if stage else (0, 0)
+    counted = compute.counters if compute else {}
     return {
-        "cpu_compute_seconds": compute.counters["compute_s"] if compute else 0.0,
+        "cpu_compute_seconds": counted.get("compute_s", 0.0),
+        # the poller's failures its steps have not yet raised (`HostCompute.check`)
+        "cpu_poll_bad_posts": counted.get("poll_bad_posts", 0),
+        "cpu_poll_timeouts": counted.get("poll_timeouts", 0),
         "device_reads": device,
         "host_reads": host,
         "cpu_reads": cpu,
@@ -442,6 +446,10 @@ def zero_copy_metric_families(
         "swaps": "Host-placed experts promoted to the device (a colder one demoted each)",
         "swap_bytes": "Expert bytes copied between the tiers by promotions",
         "cpu_compute_seconds": "Time the host spent computing experts",
+        "cpu_poll_bad_posts": "Posts to the host's expert poller that named no job (not yet "
+        "raised by a step)",
+        "cpu_poll_timeouts": "Waits for the host's expert rows that gave up (not yet raised by "
+        "a step)",
         "stage_reads": "Expert reads of host-placed experts from the prefill stage",
         "stage_bytes": "Expert bytes copied into the prefill stage (over the host link)",
         "stage_copies": "Layer host tiers copied into the prefill stage",

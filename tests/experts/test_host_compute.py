@@ -28,6 +28,8 @@ from moestream.experts.zero_copy import (  # noqa: E402
     STAGE_MIN_TOKENS,
     ExpertStage,
     ZeroCopyExperts,
+    zero_copy_metric_families,
+    zero_copy_snapshot,
 )
 from moestream.kernels.exact import exact_interpreter  # noqa: E402
 from moestream.kernels.moe import fused_moe  # noqa: E402
@@ -183,6 +185,10 @@ def test_poll_mode_gives_the_host_functions_rows_and_reports_a_post_of_no_job() 
     compute.post_and_wait(POLL_JOBS - 1)  # an empty table entry
     counted = compute.counters  # a metrics read sees the failure and leaves it to the step
     assert counted["poll_bad_posts"] == 1 and counted["poll_timeouts"] == 0
+    families = {name: value for name, _, _, value in zero_copy_metric_families(
+        zero_copy_snapshot([layer]))}  # fmt: skip
+    assert families["moestream_expert_zero_copy_cpu_poll_bad_posts"] == 1
+    assert families["moestream_expert_zero_copy_cpu_poll_timeouts"] == 0
     with pytest.raises(RuntimeError, match="1 posts named no job, 0 waits for the host's rows"):
         compute.check()
     compute.check()  # reported once: later steps run again
