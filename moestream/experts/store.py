@@ -48,10 +48,11 @@ from moestream.experts.tiers import (
 
 _CPU = torch.device("cpu")
 
-# An I/O thread waits for its copy by sleeping (cudaEventBlockingSync), not spinning: eight
-# threads spinning in the driver on their copies' events slowed the compute thread's every
-# launch ~10x (the H200, decode with experts streamed into slots; bench/RESULTS.md, nineteenth
-# session). A module constant so that the bench can set the old wait beside the new.
+# How an I/O thread waits for its copy: asleep (cudaEventBlockingSync), or spinning in the
+# driver (False). Asleep is how the decode figures with chains of graphs were measured (H200,
+# nineteenth session); in eager decode with experts streamed from pinned memory at half the
+# 30B's experts, spinning gave 9.5 tok/s and sleeping 8.1 (one arm each came back; the eager
+# host, not the waits, was the cost: bench/RESULTS.md).
 COPY_WAIT_BLOCKING = True
 
 
@@ -426,7 +427,7 @@ class ExpertStore:
                     d.copy_(s, non_blocking=True)
                 done = torch.cuda.Event(blocking=COPY_WAIT_BLOCKING)
                 done.record(self.copy_stream)
-            done.synchronize()  # this I/O thread waits (asleep), never the compute thread
+            done.synchronize()  # this I/O thread waits, never the compute thread
         return sum(d.numel() for d in dst)
 
     @staticmethod
