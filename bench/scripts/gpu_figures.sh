@@ -1292,6 +1292,22 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s27a)  # next session: the chains of graphs (s26d) where the tokens do not loop: sampled at
+    # temperature 1 (a synth file's greedy decode repeats a few tokens, 98% cache hits; the
+    # tiny synth's file bytes a token doubled at temperature 1 on the CPU), batch 1 and 8
+    # requests (8 fit the 50% graphs: 8 x 8 <= 64 slots), host memory at 50% and 25%, the
+    # disk at 50%. Prediction: host memory 50% batch 1 35-60 tok/s (greedy 73.0), 25% 20-40;
+    # disk 50% 8-18 (greedy 26.7)
+    synth qwen3-30b-a3b q30
+    local_t=(--device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0 --decode-tokens 32
+      --repeats 2 --temperature 1.0 --concurrency 8 --concurrency-prompt 32)
+    bench t1_host50 120 /tmp/q30.gguf "${local_t[@]}" --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 24
+    bench t1_host25 120 /tmp/q30.gguf "${local_t[@]}" --gpu-expert-cache-gib 4.4 \
+      --host-expert-cache-gib 24
+    bench t1_disk50 150 /tmp/q30.gguf "${local_t[@]}" --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 0 --expert-direct-io
+    ;;
   s26d)  # decode with streamed experts as chains of CUDA graphs (runner/piecewise.py): the
     # GPU test (graph bits = eager bits), then the figures s26b/s25a measured eagerly: the host
     # tier streamed into slots at 50% (eager 8.1-9.5 tok/s), the disk at 50% (6.7-7.6) and 25%
