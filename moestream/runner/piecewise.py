@@ -17,7 +17,7 @@ Every piece is captured into the backend's one memory pool, in order, and replay
 order, so the tensors one piece leaves for the next (the hidden state, the routing) keep their
 addresses, as in torch's own chains of graphs (`torch.cuda.make_graphed_callables`). The
 kernels and their launch shapes are those of the eager forward on the same inputs, so the
-logits are the same bits (tests/runner/test_piecewise_gpu.py).
+logits are the same bits (tests/runner/test_piecewise.py, on a GPU).
 """
 
 from __future__ import annotations
