@@ -376,10 +376,14 @@ class StreamedMoE:
                 torch.cuda.current_stream(provider.store.device).synchronize()
             token_experts = self._host_rows(rows.tolist())
             routed = sorted({e for experts in token_experts for e in experts})
-            if provider.fully_resident:
-                provider.begin(token_experts)
-            else:
-                provider.begin(token_experts, load=routed, pin=True)
+            try:
+                if provider.fully_resident:
+                    provider.begin(token_experts)
+                else:
+                    provider.begin(token_experts, load=routed, pin=True)
+            except BaseException:  # a failed read: the step fails, the layer's state is reset
+                provider.end()
+                raise
             paths["fused"] += 1
             provider.refresh_table()  # queued before the next piece, which reads it
 

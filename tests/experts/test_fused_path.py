@@ -339,3 +339,29 @@ def test_a_layer_past_its_graph_limit_is_refused(source, device_path, monkeypatc
         with pytest.raises(RuntimeError, match="3 tokens exceed layer 0's graph limit"):
             ffn(x)
         assert cutter.cuts == 0
+
+
+def test_a_failed_read_between_pieces_fails_the_layer_and_frees_it(device_path, monkeypatch):
+    """An unreadable expert found by a cut layer's host hook raises ExpertReadError out of the
+    replay (the step fails, as eagerly) and leaves nothing pinned or pending in the layer."""
+    from moestream.runner import piecewise
+
+    llm = LLM(DEMO_MODEL, device="cpu", enable_prefix_caching=False)
+    c = llm.config
+    layout = ExpertLayout.from_gguf(llm.source.gguf, c.n_experts, c.n_experts_used)
+    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+    placement = plan_placement(layout, ExpertBudgets(3 * per_slot / GIB))
+    with ExpertStore(layout, placement, reader=FailingReader(layout)) as store:
+        attach_expert_store(llm.model, store)
+        ffn = llm.model.layers[0].ffn
+        cutter = StepCutter()
+        monkeypatch.setattr(piecewise, "active", lambda: cutter)
+        monkeypatch.setattr(StreamedMoE, "graph_tokens", property(lambda self: 1))
+        routing = (torch.tensor([[0.5, 0.5]]), torch.tensor([[5, 0]]))
+        monkeypatch.setattr(moe_layer, "route", lambda *args: routing)
+        with pytest.raises(ExpertReadError, match="expert 5"):
+            ffn(torch.randn(1, c.hidden_size))
+        provider, tier = ffn.provider, store.device_tiers[0]
+        assert not tier.dir.pins and not provider.pending_snapshot()
+        assert cutter.cuts == 0 and not cutter.after  # the piece after it never ran
+        store.check()
