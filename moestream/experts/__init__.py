@@ -194,9 +194,18 @@ def describe_placement(
 ) -> dict[str, Any]:
     """`moestream info MODEL --budgets`: the placement these budgets give (no weights are
     read) as `placement_summary` data; `format_placement` renders it."""
+    from moestream.runner.cuda_graph import BUCKETS
     from moestream.weights.loader import open_model
 
     source = open_model(path)
     layout = _layout_of(source, source.config)
     placement = plan_placement(layout, budgets, staging_experts)
-    return placement_summary(layout, placement, device_hit_rate, host_hit_rate)
+    summary = placement_summary(layout, placement, device_hit_rate, host_hit_rate)
+    # On CUDA, decode steps of up to this many requests run as chains of graphs (their routed
+    # experts always fit every streamed layer's slots: `StreamedMoE.graph_tokens`); None: no
+    # layer streams (whole graphs at every bucket); 0: every step runs eagerly.
+    streamed = [d // layout.top_k for d in placement.device_slots if d < layout.n_experts]
+    summary["graph_batch"] = (
+        None if not streamed else max((b for b in BUCKETS if b <= min(streamed)), default=0)
+    )
+    return summary

@@ -270,6 +270,20 @@ def format_placement(summary: dict[str, Any]) -> str:
         if s["host_hit_rate"] is not None:
             rate += f", host hit rate {s['host_hit_rate']:g}"
     t = s["per_token"]
+    graphs = []
+    if "graph_batch" in s:
+        b = s["graph_batch"]
+        graphs = [
+            f"{'decode graphs':16} "
+            + (
+                "whole CUDA graphs (every expert in device slots)"
+                if b is None
+                else f"chains of CUDA graphs at up to {b} requests a step (the routed "
+                "experts fit the slots), eager beyond"
+                if b
+                else "none: eager steps (fewer slots than one graph's routed experts)"
+            )
+        ]
     return "\n".join(
         [
             f"{'expert weights':16} {_mib(total)} ({s['n_layers']} layers x {n} experts)",
@@ -282,5 +296,6 @@ def format_placement(summary: dict[str, Any]) -> str:
             f"{_mib(t['expert_bytes_read'])} of expert weights read",
             f"{'moved per token':16} {_mib(t['bytes_to_device'])} copied to the device, "
             f"{_mib(t['bytes_from_disk'])} read from disk, at {rate}",
+            *graphs,
         ]
     )

@@ -83,6 +83,11 @@ def test_traffic_per_token_and_info_text(layout: ExpertLayout) -> None:
     assert uniform["bytes_to_device"] == pytest.approx(0.5 * 2 * per_slot(layout))  # 4 of 8
     text = format_placement(summary)
     assert "device slots     4 of 8 per layer" in text and "device hit rate 0.75" in text
+    assert summary["graph_batch"] == 2  # 4 slots over top-2 routing: 2 requests a graph
+    assert "chains of CUDA graphs at up to 2 requests a step" in text
+    everything = describe_placement(DEMO, ExpertBudgets(8 * per_slot(layout) / GIB))
+    assert everything["graph_batch"] is None
+    assert "whole CUDA graphs" in format_placement(everything)
 
 
 def test_allocated_buffers_stay_within_budgets(source, layout: ExpertLayout) -> None:
