@@ -1292,6 +1292,22 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s27b)  # next session: where the chains' host time goes (s26d at 50% from host memory: a
+    # 13.7 ms step of which 5.4 ms stall, ~2 ms GPU, ~170 us a layer between pieces; a demand
+    # miss stalls ~770 us where its 3 MB copy needs ~60-120 us): py-spy of the main thread and
+    # the store's threads (native frames: the driver's waits), then the GPU timeline
+    synth qwen3-30b-a3b q30
+    spy=/tmp/site/bin/py-spy
+    timeout 200 "$spy" record --threads --idle --native --format raw -r 500 \
+      -o "$out/spy_chains.txt" -- python3 -m moestream.cli bench /tmp/q30.gguf --device cuda \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 --prompt-lens 32 \
+      --decode-depths 0 --decode-tokens 64 --repeats 2 --out /tmp/r/spy_chains \
+      > "$out/spy_chains.log" 2>&1
+    echo "py-spy rc=$?"; grep -A4 '^## decode' "$out/spy_chains.log" | tail -1
+    timeout 120 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 8 \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_chains.md" | head -24
+    ;;
   s27a)  # next session: the chains of graphs (s26d) where the tokens do not loop: sampled at
     # temperature 1 (a synth file's greedy decode repeats a few tokens, 98% cache hits; the
     # tiny synth's file bytes a token doubled at temperature 1 on the CPU), batch 1 and 8
