@@ -1292,6 +1292,22 @@ PY
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
     ;;
+  s27c)  # next session: the I/O threads' copy wait with chains of graphs, spinning (the
+    # default since the nineteenth session) against asleep (how s26d measured 73.0 tok/s), in
+    # turn, 50% from host memory, batch 1. Prediction: spinning 3-10% faster (eager: a stall
+    # of 4.25 against 5.09 ms a decode token)
+    synth qwen3-30b-a3b q30
+    for arm in False True False True; do
+      timeout 100 python3 -c "import sys, moestream.experts.store as s
+s.COPY_WAIT_BLOCKING = $arm
+from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
+        --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+        --prompt-lens 32 --decode-depths 0 --decode-tokens 32 --repeats 3 \
+        --out "/tmp/r/cw_$arm" > "/tmp/r/cw_$arm.log" 2>&1
+      cat "/tmp/r/cw_$arm.log" >> "$out/copy_wait_$arm.log"
+      echo "blocking=$arm rc=$? $(grep -A4 '^## decode' "/tmp/r/cw_$arm.log" | tail -1)"
+    done
+    ;;
   s27b)  # next session: where the chains' host time goes (s26d at 50% from host memory: a
     # 13.7 ms step of which 5.4 ms stall, ~2 ms GPU, ~170 us a layer between pieces; a demand
     # miss stalls ~770 us where its 3 MB copy needs ~60-120 us): py-spy of the main thread and

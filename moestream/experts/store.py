@@ -48,12 +48,12 @@ from moestream.experts.tiers import (
 
 _CPU = torch.device("cpu")
 
-# How an I/O thread waits for its copy: asleep (cudaEventBlockingSync), or spinning in the
-# driver (False). Asleep is how the decode figures with chains of graphs were measured (H200,
-# nineteenth session); in eager decode with experts streamed from pinned memory at half the
-# 30B's experts, spinning gave 9.5 tok/s and sleeping 8.1 (one arm each came back; the eager
-# host, not the waits, was the cost: bench/RESULTS.md).
-COPY_WAIT_BLOCKING = True
+# How an I/O thread waits for its copy: spinning in the driver (False), or asleep
+# (cudaEventBlockingSync). H200, experts streamed from pinned memory at half the 30B's experts,
+# eager decode (nineteenth session, one arm each came back): spinning 9.5 tok/s and a stall of
+# 4.25 ms a decode token, asleep 8.1 and 5.09 (a waker's latency on every miss). The decode
+# figures with chains of graphs were measured asleep; `gpu_figures.sh s27c` compares the two.
+COPY_WAIT_BLOCKING = False
 
 
 class ExpertStore:
