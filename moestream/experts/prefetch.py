@@ -23,6 +23,11 @@ How (3) runs, off the CPU (`fused_moe_path`):
   prefills), and where the kernel does not run, the per-expert path (`weights(e)`) runs.
 On the CPU the layer runs expert by expert, as a resident layer does there.
 
+On CUDA a decode step of up to `StreamedMoE.graph_tokens` tokens (its routed experts always fit
+the slots) runs as a chain of CUDA graphs cut at each streamed layer's host read
+(`runner/piecewise.py`): the routing is copied into pinned memory inside a piece, the host work
+above runs between pieces, and the next piece runs the fused call (`StreamedMoE._captured`).
+
 Letters: T tokens, H hidden size, E experts, k experts per token.
 """
 

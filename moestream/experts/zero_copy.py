@@ -3,7 +3,8 @@ host memory that the GPU reads directly, both found through one device-side addr
 
 The streamed path (`prefetch.StreamedMoE`) reads each layer's routing on the host, copies the
 missing experts into device slots and then runs the layer: one host synchronisation per layer,
-and steps that cannot be captured in a CUDA graph. Here nothing moves at run time: the fused
+and a decode step captured only as a chain of CUDA graphs cut at those reads
+(`runner/piecewise.py`). Here nothing moves at run time: the fused
 MoE kernel's "mmvq" path reads expert e's bytes at `expert_addr[:, e]` (`kernels.moe.fused_moe`),
 a device address for the experts placed on the device and a host address for the others
 (pinned host memory is mapped into the GPU's address space under unified addressing, so a
