@@ -209,7 +209,9 @@ def _budget_args(g) -> None:
         type=float,
         default=None,
         help="device memory for expert slots; experts that do not fit stream in from host RAM "
-        "or the file (default: all experts resident)",
+        "or the file (default: all experts resident). On a GPU, decode steps whose routed "
+        "experts always fit the slots run as chains of CUDA graphs (`moestream info MODEL "
+        "--gpu-expert-cache-gib G` says up to which batch size); docs/experts.md",
     )
     g.add_argument(
         "--host-expert-cache-gib",
