@@ -131,8 +131,9 @@ def test_bench_experts_section_reports_zero_copy_reads() -> None:
     assert c["swaps"] == c["swap_bytes"] == 0  # no device slot to promote into
     assert c["cpu_reads"] == c["cpu_bytes"] == 0 and c["cpu_compute_seconds"] == 0.0
     assert c["stage_reads"] == c["stage_bytes"] == c["stage_copies"] == 0  # no stage
+    assert c["cpu_poll_bad_posts"] == c["cpu_poll_timeouts"] == 0  # no host compute
     head, rows = ExpertsSection().table(data)
-    assert len(rows) == 12
+    assert len(rows) == 14
 
 
 def quarter_on_device(rebalance: int) -> LLM:
