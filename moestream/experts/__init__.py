@@ -202,10 +202,8 @@ def describe_placement(
     placement = plan_placement(layout, budgets, staging_experts)
     summary = placement_summary(layout, placement, device_hit_rate, host_hit_rate)
     # On CUDA, decode steps of up to this many requests run as chains of graphs (their routed
-    # experts always fit every streamed layer's slots: `StreamedMoE.graph_tokens`); None: no
-    # layer streams (whole graphs at every bucket); 0: every step runs eagerly.
+    # experts always fit every streamed layer's slots: `StreamedMoE.graph_tokens`; at least 1,
+    # every layer holding top_k); None: no layer streams (whole graphs at every bucket).
     streamed = [d // layout.top_k for d in placement.device_slots if d < layout.n_experts]
-    summary["graph_batch"] = (
-        None if not streamed else max((b for b in BUCKETS if b <= min(streamed)), default=0)
-    )
+    summary["graph_batch"] = None if not streamed else max(b for b in BUCKETS if b <= min(streamed))
     return summary

@@ -280,8 +280,6 @@ def format_placement(summary: dict[str, Any]) -> str:
                 if b is None
                 else f"chains of CUDA graphs at up to {b} requests a step (the routed "
                 "experts fit the slots), eager beyond"
-                if b
-                else "none: eager steps (fewer slots than one graph's routed experts)"
             )
         ]
     return "\n".join(
