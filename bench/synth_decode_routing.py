@@ -39,8 +39,7 @@ def run(model: str, slots: int, tokens: int, prompts: int, temperature: float) -
     llm = LLM(model, device="cpu", enable_prefix_caching=False)
     c = llm.config
     layout = ExpertLayout.from_gguf(llm.source.gguf, c.n_experts, c.n_experts_used)
-    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
-    budgets = ExpertBudgets(slots * per_slot / 2**30, 0.0)
+    budgets = ExpertBudgets(slots * layout.slot_bytes / 2**30, 0.0)
     rng = np.random.default_rng(0)
     distinct = []
     with build_expert_store(llm.source, llm.config, budgets, "cpu") as store:

@@ -165,6 +165,23 @@ disk() {  # disk G SECONDS CONCURRENCY: the 30B with G GiB of experts on the dev
     --prompt-lens 32 --decode-depths 0 --decode-tokens 16 --repeats 2 --concurrency "$3" \
     --concurrency-prompt 32
 }
+copy_wait_arms() {  # copy_wait_arms TAG TOKENS REPEATS: batch-1 decode of the 30B, 50% of the
+  # experts in slots, the rest streamed from pinned host memory, with the store's I/O threads
+  # spinning (False) and asleep (True) on their copies' events, in turn (F T F T); each arm's
+  # log appended to $out/TAG_ARM.log, its decode row printed
+  local arm rc
+  for arm in False True False True; do
+    timeout 100 python3 -c "import sys, moestream.experts.store as s
+s.COPY_WAIT_BLOCKING = $arm
+from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --prompt-lens 32 --decode-depths 0 --decode-tokens "$2" --repeats "$3" \
+      --out "/tmp/r/$1_$arm" > "/tmp/r/$1_$arm.log" 2>&1
+    rc=$?
+    cat "/tmp/r/$1_$arm.log" >> "$out/$1_$arm.log"
+    echo "blocking=$arm rc=$rc $(grep -A4 '^## decode' "/tmp/r/$1_$arm.log" | tail -1)"
+  done
+}
 synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
@@ -1297,16 +1314,7 @@ PY
     # turn, 50% from host memory, batch 1. Prediction: spinning 3-10% faster (eager: a stall
     # of 4.25 against 5.09 ms a decode token)
     synth qwen3-30b-a3b q30
-    for arm in False True False True; do
-      timeout 100 python3 -c "import sys, moestream.experts.store as s
-s.COPY_WAIT_BLOCKING = $arm
-from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
-        --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
-        --prompt-lens 32 --decode-depths 0 --decode-tokens 32 --repeats 3 \
-        --out "/tmp/r/cw_$arm" > "/tmp/r/cw_$arm.log" 2>&1
-      cat "/tmp/r/cw_$arm.log" >> "$out/copy_wait_$arm.log"
-      echo "blocking=$arm rc=$? $(grep -A4 '^## decode' "/tmp/r/cw_$arm.log" | tail -1)"
-    done
+    copy_wait_arms copy_wait 32 3
     ;;
   s27b)  # next session: where the chains' host time goes (s26d at 50% from host memory: a
     # 13.7 ms step of which 5.4 ms stall, ~2 ms GPU, ~170 us a layer between pieces; a demand
@@ -1379,15 +1387,7 @@ from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device c
     # 5.3 tok/s, the GPU busy 2% of a step, every launch ~10x slower than eager), then the disk
     # at 50% and the GPU timeline with the new wait. Prediction: 5.3 -> 15-30 tok/s
     synth qwen3-30b-a3b q30
-    for arm in False True False True; do
-      timeout 100 python3 -c "import sys, moestream.experts.store as s
-s.COPY_WAIT_BLOCKING = $arm
-from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
-        --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
-        --prompt-lens 32 --decode-depths 0 --decode-tokens 24 --repeats 2 \
-        --out "/tmp/r/wait_$arm" > "$out/wait_$arm.log" 2>&1
-      echo "blocking=$arm rc=$? $(grep -A3 '^## decode' "$out/wait_$arm.log" | tail -1)"
-    done
+    copy_wait_arms wait 24 2
     cp /tmp/r/wait_True/result.json "$out/wait_True.json"
     bench disk_g8.8b 110 /tmp/q30.gguf --device cuda --kv-cache-gib 4 \
       --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 0 --expert-direct-io \

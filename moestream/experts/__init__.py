@@ -194,7 +194,7 @@ def describe_placement(
 ) -> dict[str, Any]:
     """`moestream info MODEL --budgets`: the placement these budgets give (no weights are
     read) as `placement_summary` data; `format_placement` renders it."""
-    from moestream.runner.cuda_graph import BUCKETS
+    from moestream.runner.cuda_graph import BUCKETS, buckets_up_to
     from moestream.weights.loader import open_model
 
     source = open_model(path)
@@ -205,5 +205,5 @@ def describe_placement(
     # experts always fit every streamed layer's slots: `StreamedMoE.graph_tokens`; at least 1,
     # every layer holding top_k); None: no layer streams (whole graphs at every bucket).
     streamed = [d // layout.top_k for d in placement.device_slots if d < layout.n_experts]
-    summary["graph_batch"] = None if not streamed else max(b for b in BUCKETS if b <= min(streamed))
+    summary["graph_batch"] = max(buckets_up_to(BUCKETS, min(streamed))) if streamed else None
     return summary

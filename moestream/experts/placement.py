@@ -91,8 +91,13 @@ class ExpertLayout:
         return sum(t.expert_bytes for t in self.layers[layer])
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of one expert in every layer: what a budget pays per slot a layer."""
+        return sum(self.expert_bytes(i) for i in range(self.n_layers))
+
+    @property
     def total_bytes(self) -> int:
-        return sum(self.expert_bytes(i) * self.n_experts for i in range(self.n_layers))
+        return self.slot_bytes * self.n_experts
 
     @classmethod
     def from_gguf(cls, file: Any, n_experts: int, top_k: int) -> ExpertLayout:

@@ -299,12 +299,13 @@ class StreamedMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], exactly what the wrapped layer computes."""
         moe = self.moe
-        counters = self._route_counters(x)
-        weights, ids = moe_layer.route(x, moe.router, moe.top_k, moe.norm_topk_prob, counters[0])
+        weights, ids = moe_layer.route(
+            x, moe.router, moe.top_k, moe.norm_topk_prob, moe.route_counters
+        )  # [T, k]
         both = ids
         if self.next_router is not None:
             _, next_ids = moe_layer.route(
-                x, self.next_router, moe.top_k, moe.norm_topk_prob, counters[1]
+                x, self.next_router, moe.top_k, moe.norm_topk_prob, self._prediction_counters(x)
             )
             both = torch.cat([ids, next_ids], dim=1)  # [T, 2k]: one host read for both
         cutter = piecewise.active()
@@ -318,17 +319,17 @@ class StreamedMoE:
         finally:
             self.provider.end()  # the work is enqueued: the pins may go (LayerExperts.acquire)
 
-    def _route_counters(self, x: torch.Tensor) -> tuple[Any, Any]:
-        """The fused routers' arrival counters of this layer and of its prediction, made once
-        (outside any capture: a graph replays with them)."""
-        if "counters" not in self.__dict__:
-            made: tuple[Any, Any] = (None, None)
-            if x.device.type == "cuda" and moe_layer.ops.HAS_TRITON:
+    def _prediction_counters(self, x: torch.Tensor) -> Any:
+        """The prediction's router arrival counters (the layer's own router has
+        `moe.route_counters`), made once, outside any capture: a graph replays with them."""
+        if "prediction_counters" not in self.__dict__:
+            made = None
+            if self.moe.route_counters is not None:
                 from moestream.kernels.router import route_counters
 
-                made = (route_counters(x.device), route_counters(x.device))
-            self.__dict__["counters"] = made
-        return self.__dict__["counters"]
+                made = route_counters(x.device)
+            self.__dict__["prediction_counters"] = made
+        return self.__dict__["prediction_counters"]
 
     def _rows_buffer(self, both: torch.Tensor) -> torch.Tensor:
         """Pinned host rows for `both` [T, c] (a view of one buffer of GRAPH_ROWS rows, made

@@ -49,9 +49,10 @@ does; runner/piecewise.py cuts a forward with streamed experts into a chain of g
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -100,28 +101,41 @@ class CudaGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        # Warm up on a side stream (as torch's capture docs ask): kernels compile and the
-        # allocator sees the shapes before capture.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.warm_up(fn)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a server's) cannot invalidate the capture.
-        # No garbage collection inside it: collecting an unreachable CUDA graph there destroys
-        # its executable, a call that invalidates the capture (the driver: "API call conflicts
-        # with a stream capture sequence", from cuGraphExecDestroy; seen on the H200 when an
-        # earlier LLM's graphs were collected mid-capture). torch.cuda.graph collects first.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = fn()
-        finally:
-            if collecting:
-                gc.enable()
+        with (
+            collector_off(),
+            torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"),
+        ):
+            out = fn()
         return graph.replay, out
+
+    def warm_up(self, fn: Callable[[], torch.Tensor]) -> None:
+        """Run `fn` once on a side stream (as torch's capture docs ask): kernels compile and the
+        allocator sees the shapes before capture."""
+        current = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            fn()
+        current.wait_stream(stream)
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """No garbage collection inside a capture: collecting an unreachable CUDA graph there
+    destroys its executable, a call that invalidates the capture (the driver: "API call
+    conflicts with a stream capture sequence", from cuGraphExecDestroy; seen on the H200 when an
+    earlier LLM's graphs were collected mid-capture). `torch.cuda.graph` collects on entry;
+    other captures collect first themselves."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _check_buckets(name: str, buckets: Sequence[int], least: int) -> tuple[int, ...]:
@@ -479,6 +493,12 @@ class DecodeGraphs:
         return logits
 
 
+def buckets_up_to(buckets: Sequence[int], most: int) -> list[int]:
+    """The batch buckets a chain of graphs may take when its layers take at most `most` tokens
+    (`CausalLM.piecewise_graph_tokens`; `moestream info`'s placement says the same)."""
+    return [b for b in buckets if b <= most]
+
+
 def decode_graphs_for(
     model: CausalLM,
     kv: PagedKVCache,
@@ -496,8 +516,7 @@ def decode_graphs_for(
         # Streamed experts: a chain of graphs cut where each streamed layer reads its routing
         # (runner/piecewise.py), at the batch sizes whose routed experts fit every layer's
         # slots; no verify graphs (drafted steps run eagerly).
-        most = model.piecewise_graph_tokens
-        buckets = [b for b in buckets if b <= most]
+        buckets = buckets_up_to(buckets, model.piecewise_graph_tokens)
         if not buckets:
             return None
         from moestream.runner.piecewise import PiecewiseCudaGraphBackend

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from moestream.runner.cuda_graph import CudaGraphBackend
+from moestream.runner.cuda_graph import CudaGraphBackend, collector_off
 
 Hook = Callable[[], None]
 
@@ -79,24 +79,16 @@ class PiecewiseCudaGraphBackend(CudaGraphBackend):
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         global _active
-        # Warm up on a side stream, as the whole-graph backend does: kernels compile, the
-        # allocator sees the shapes, and the host points run for real once.
+        self.warm_up(fn)  # also runs the host points for real once
         current = torch.cuda.current_stream(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            fn()
-        current.wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        gc.collect()  # not inside the capture (CudaGraphBackend.capture says why)
-        collecting = gc.isenabled()
-        gc.disable()
+        gc.collect()  # before the collector is off (as torch.cuda.graph does on entry)
         cutter = Cutter(self.pool)
         capture_stream = torch.cuda.Stream(self.device)
         capture_stream.wait_stream(current)
         _active = cutter
         try:
-            with torch.cuda.stream(capture_stream):
+            with collector_off(), torch.cuda.stream(capture_stream):
                 cutter.begin()
                 try:
                     out = fn()
@@ -105,7 +97,5 @@ class PiecewiseCudaGraphBackend(CudaGraphBackend):
                         cutter.finish()
         finally:
             _active = None
-            if collecting:
-                gc.enable()
         current.wait_stream(capture_stream)
         return cutter.replay, out

@@ -146,7 +146,7 @@ def device_path(monkeypatch):
 def budgets_for(llm: LLM, device_slots: int, host_slots: int) -> ExpertBudgets:
     c = llm.config
     layout = ExpertLayout.from_gguf(llm.source.gguf, c.n_experts, c.n_experts_used)
-    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+    per_slot = layout.slot_bytes
     return ExpertBudgets(device_slots * per_slot / GIB, host_slots * per_slot / GIB)
 
 
@@ -241,7 +241,7 @@ class FailingReader(ExpertFileReader):
 def test_pinned_load_pins_all_or_none(source) -> None:
     c = source.config
     layout = ExpertLayout.from_gguf(source.gguf, c.n_experts, c.n_experts_used)
-    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+    per_slot = layout.slot_bytes
     placement = plan_placement(layout, ExpertBudgets(3 * per_slot / GIB))
     with ExpertStore(layout, placement, reader=FailingReader(layout)) as store:
         store.warm()
@@ -349,7 +349,7 @@ def test_a_failed_read_between_pieces_fails_the_layer_and_frees_it(device_path, 
     llm = LLM(DEMO_MODEL, device="cpu", enable_prefix_caching=False)
     c = llm.config
     layout = ExpertLayout.from_gguf(llm.source.gguf, c.n_experts, c.n_experts_used)
-    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
+    per_slot = layout.slot_bytes
     placement = plan_placement(layout, ExpertBudgets(3 * per_slot / GIB))
     with ExpertStore(layout, placement, reader=FailingReader(layout)) as store:
         attach_expert_store(llm.model, store)

@@ -62,8 +62,7 @@ def test_streamed_decode_graphs_give_the_eager_bits() -> None:
     probe = LLM(DEMO_MODEL, device="cpu")
     c = probe.config
     layout = ExpertLayout.from_gguf(probe.source.gguf, c.n_experts, c.n_experts_used)
-    per_slot = sum(layout.expert_bytes(i) for i in range(layout.n_layers))
-    gib = 5 * per_slot / 2**30
+    gib = 5 * layout.slot_bytes / 2**30
 
     def outputs(enforce_eager: bool):
         llm = LLM(DEMO_MODEL, device="cuda", gpu_expert_cache_gib=gib, host_expert_cache_gib=1.0,
