@@ -1337,8 +1337,11 @@ PY
     # tiny synth's file bytes a token doubled at temperature 1 on the CPU), batch 1 and 8
     # requests (8 fit the 50% graphs: 8 x 8 <= 64 slots), host memory at 50% and 25%, the
     # disk at 50%. Prediction: host memory 50% batch 1 35-60 tok/s (greedy 73.0), 25% 20-40;
-    # disk 50% 8-18 (greedy 26.7)
+    # disk 50% 8-18 (greedy 26.7). First the graph tests: the review's mends (0a45972) touched
+    # both graph backends' capture and have not run on a GPU
     synth qwen3-30b-a3b q30
+    timeout 150 python3 -m pytest tests/runner/test_piecewise.py tests/runner/test_cuda_graph.py \
+      -q -p no:cacheprovider --tb=short 2>&1 | tail -4
     local_t=(--device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0 --decode-tokens 32
       --repeats 2 --temperature 1.0 --concurrency 8 --concurrency-prompt 32)
     bench t1_host50 120 /tmp/q30.gguf "${local_t[@]}" --gpu-expert-cache-gib 8.8 \
