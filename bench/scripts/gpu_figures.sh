@@ -182,6 +182,18 @@ from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device c
     echo "blocking=$arm rc=$rc $(grep -A4 '^## decode' "/tmp/r/$1_$arm.log" | tail -1)"
   done
 }
+queue_arm() {  # queue_arm NAME ARM SECONDS ARGS...: one bench run with the host tier's demand
+  # misses queued on the compute stream (True) or loaded by the demand pool (False)
+  local name=$1 arm=$2 limit=$3; shift 3
+  timeout "$limit" python3 -c "import sys, moestream.experts.store as s
+s.QUEUE_HOST_LOADS = $arm
+from moestream.cli import main; sys.exit(main())" bench "$@" --out "/tmp/r/${name}_$arm" \
+    > "/tmp/r/${name}_$arm.log" 2>&1
+  echo "$name queue=$arm rc=$? $(grep -A4 '^## decode' "/tmp/r/${name}_$arm.log" | tail -1)"
+  grep -i "stall ms\|hit rate\|^| aggregate\|^| 8 " "/tmp/r/${name}_$arm.log" | head -6
+  cp "/tmp/r/${name}_$arm.log" "$out/${name}_$arm.log"
+  cp "/tmp/r/${name}_$arm/result.json" "$out/${name}_$arm.json" 2>/dev/null
+}
 synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
@@ -1308,6 +1320,40 @@ PY
     # (prediction: batch 1 4-7 tok/s, under 50%'s 9.0)
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
+    ;;
+  s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
+    # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
+    # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,
+    # 50% from host memory, greedy; then sampled at temperature 1, batch 1 and 8 requests.
+    # Prediction: greedy 73 -> 85-110 tok/s, stall 5.4 -> < 1 ms a decode token (the GPU waits
+    # for the copies instead); temperature 1: 35-60. First the graph and GPU exactness tests
+    synth qwen3-30b-a3b q30
+    timeout 200 python3 -m pytest tests/runner/test_piecewise.py tests/runner/test_cuda_graph.py \
+      tests/experts/test_exactness.py -q -p no:cacheprovider --tb=short 2>&1 | tail -4
+    local h50=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32)
+    for arm in True False True False; do queue_arm q50 "$arm" 80 "${h50[@]}" --repeats 2; done
+    queue_arm t1_q50 True 120 "${h50[@]}" --repeats 2 --temperature 1.0 --concurrency 8 \
+      --concurrency-prompt 32
+    ;;
+  s28b)  # temperature 1 at a quarter from host memory and half from the disk (queued loads);
+    # zero-copy with host cores at 50% sampled, and greedy with placement rebalanced every 8
+    # steps instead of 64 (the greedy loops' experts promoted within the timed decode).
+    # Prediction: host 25% t1 20-40; disk 50% t1 8-18; zero-copy t1 60-75 (greedy 71.7);
+    # zero-copy greedy rebalanced every 8 steps > 90
+    synth qwen3-30b-a3b q30
+    local t1=(--device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2 --temperature 1.0)
+    bench t1_host25 100 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 4.4 \
+      --host-expert-cache-gib 24
+    bench t1_disk50 120 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 0 --expert-direct-io
+    bench t1_zc50 100 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.6
+    bench zc50_rb8 100 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 \
+      --decode-depths 0 --decode-tokens 64 --repeats 2 --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.6 \
+      --expert-rebalance-steps 8
     ;;
   s27c)  # next session: the I/O threads' copy wait with chains of graphs, spinning (the
     # default since the nineteenth session) against asleep (how s26d measured 73.0 tok/s), in

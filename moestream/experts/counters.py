@@ -36,6 +36,7 @@ _FIELDS = {
     "bytes_from_disk": "bytes read from the GGUF file",
     "bytes_to_host": "bytes written into the host tier",
     "bytes_to_device": "bytes copied into device slots",
+    "queued_loads": "demand loads from the host tier queued on the compute stream (no wait)",
     "evictions_device": "experts evicted from device slots",
     "evictions_host": "experts evicted from the host tier",
     "prefetch_issued": "experts loaded into device slots ahead of use",

@@ -6,7 +6,9 @@ Per MoE layer i, `StreamedMoE` routes once and reads the routing on the host (on
 streamed layer on CUDA, shared with the prediction's), then (1) applies layer i+1's router to
 layer i's FFN input (pre-gating: consecutive layers' hidden states are close, so this predicts
 most of i+1's experts) and prefetches the prediction; (2) loads layer i's routed experts that
-are missing, in parallel; (3) runs the layer on that routing (`SparseMoE.forward_routed`). In a
+are missing (those the host tier holds as copies queued on the compute stream, the others in
+parallel; `ExpertStore.load`), starting the prediction's prefetch once these loads have
+started; (3) runs the layer on that routing (`SparseMoE.forward_routed`). In a
 verify pass of drafted tokens the same prediction covers the union of the drafted tokens'
 experts. The cost over a resident layer: the prediction's router matmul and the sync.
 
@@ -34,7 +36,7 @@ Letters: T tokens, H hidden size, E experts, k experts per token.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,12 +170,14 @@ class LayerExperts:
         token_experts: Sequence[Sequence[int]],
         load: Sequence[int] | None = None,
         pin: bool = False,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
         """A forward of this layer starts with this routing (each token's experts): counts it,
         records it (eviction and promotion policies) and loads `load` (default: the routed
         experts, as many as the slots hold) in parallel, counting hits, misses and the stall.
         With `pin` (at most n_slots experts) `load` stays pinned until `release()` or `end()`,
-        and `expert_slot` maps it: the operands of a fused kernel."""
+        and `expert_slot` maps it: the operands of a fused kernel. `meanwhile` runs once the
+        loads have started (`ExpertStore.load`)."""
         routed = sorted({int(e) for experts in token_experts for e in experts})
         store = self.store
         if self.layer == 0:
@@ -184,13 +188,15 @@ class LayerExperts:
             store.compute_stream = torch.cuda.current_stream(store.device)
         if self.fully_resident:
             store.counters.add(device_hits=len(routed))
+            if meanwhile is not None:
+                meanwhile()
             return
         with self.tier.cond:
             self._pending = set(routed)
         first = routed[: self.tier.n_slots] if load is None else sorted({int(e) for e in load})
         if pin and len(first) > self.tier.n_slots:
             raise ValueError(f"{len(first)} experts do not fit {self.tier.n_slots} slots")
-        store.load(self.layer, first, keep=routed, pin=pin)
+        store.load(self.layer, first, keep=routed, pin=pin, meanwhile=meanwhile)
         if pin:
             self._acquired += first
         store.record(self.layer, token_experts)  # after the pins: promotions cannot evict them
@@ -313,9 +319,9 @@ class StreamedMoE:
             return self._captured(cutter, x, weights, ids, both)
         if x.is_cuda:
             self._rows_buffer(both)  # made here, outside any capture (a graph copies into it)
-        token_experts = self._host_rows(both.tolist())
+        token_experts, predict = self._host_rows(both.tolist())
         try:
-            return self._forward(x, weights, ids, token_experts)
+            return self._forward(x, weights, ids, token_experts, predict)
         finally:
             self.provider.end()  # the work is enqueued: the pins may go (LayerExperts.acquire)
 
@@ -346,14 +352,17 @@ class StreamedMoE:
             raise RuntimeError(f"routing of {tuple(both.shape)} does not fit the host buffer")
         return buf[: both.shape[0]]
 
-    def _host_rows(self, rows: list[list[int]]) -> list[list[int]]:
-        """Each token's experts from the rows read on the host (routed, then predicted when
-        there is a next router); prefetches the prediction."""
-        k = self.moe.top_k
-        if self.next_router is not None:
-            self.provider.store.predict(self.provider.layer + 1, {e for r in rows for e in r[k:]})
-            return [row[:k] for row in rows]
-        return rows
+    def _host_rows(
+        self, rows: list[list[int]]
+    ) -> tuple[list[list[int]], Callable[[], None] | None]:
+        """Each token's routed experts from the rows read on the host (routed, then predicted
+        when there is a next router), and the prediction's prefetch to start once this layer's
+        own loads have (so that its copies do not go ahead of them; None: no next router)."""
+        if self.next_router is None:
+            return rows, None
+        k, store, layer = self.moe.top_k, self.provider.store, self.provider.layer + 1
+        predicted = {e for r in rows for e in r[k:]}
+        return [row[:k] for row in rows], lambda: store.predict(layer, predicted)
 
     def _captured(
         self,
@@ -380,13 +389,13 @@ class StreamedMoE:
         def before() -> None:
             if provider.store.cuda:  # the piece's copy of the routing has landed
                 torch.cuda.current_stream(provider.store.device).synchronize()
-            token_experts = self._host_rows(rows.tolist())
+            token_experts, predict = self._host_rows(rows.tolist())
             routed = sorted({e for experts in token_experts for e in experts})
             try:
                 if provider.fully_resident:
-                    provider.begin(token_experts)
+                    provider.begin(token_experts, meanwhile=predict)
                 else:
-                    provider.begin(token_experts, load=routed, pin=True)
+                    provider.begin(token_experts, load=routed, pin=True, meanwhile=predict)
             except BaseException:  # a failed read: the step fails, the layer's state is reset
                 provider.end()
                 raise
@@ -402,12 +411,13 @@ class StreamedMoE:
         weights: torch.Tensor,
         ids: torch.Tensor,
         token_experts: list[list[int]],
+        predict: Callable[[], None] | None,
     ) -> torch.Tensor:
         moe, provider, paths = self.moe, self.provider, self.paths
         routed = {e for experts in token_experts for e in experts}
         if moe_layer.fused_moe_path(x) and not provider.fully_resident:
             if len(routed) <= provider.n_slots:
-                provider.begin(token_experts, load=sorted(routed), pin=True)
+                provider.begin(token_experts, load=sorted(routed), pin=True, meanwhile=predict)
                 paths["fused"] += 1
                 return moe.forward_routed(x, weights, ids, provider.expert_slot)
             groups = None
@@ -415,10 +425,10 @@ class StreamedMoE:
                 max_uses = self.exact_uses_per_expert * len(routed)
                 groups = split_tokens(token_experts, provider.n_slots, max_uses)
             if groups is not None:
-                provider.begin(token_experts, load=groups[0][1], pin=True)
+                provider.begin(token_experts, load=groups[0][1], pin=True, meanwhile=predict)
                 paths["passes"] += 1
                 return self._passes(x, weights, ids, groups)
-        provider.begin(token_experts)
+        provider.begin(token_experts, meanwhile=predict)
         fused = provider.fully_resident and moe_layer.fused_moe_path(x)  # the layer's own table
         paths["fused" if fused else "per_expert"] += 1
         return moe.forward_routed(x, weights, ids)

@@ -6,16 +6,22 @@ of the file) and the GGUF file (positional reads by a pool of threads). `layers[
 `ExpertProvider` (layers/moe.py): `weights(e)` returns QTensor views of e's device slot, loading
 it first on a miss (counted as a stall, with its time).
 
-Loads: a demand load runs on the demand pool (a forward's misses in parallel) or on the calling
+Loads: a forward's misses that the host tier holds are *queued*: the compute thread claims their
+slots and queues their copies on the compute stream itself, ahead of the layer's kernel, and
+goes on (the GPU waits for the copies, the thread does not; no hand-off to another thread). The
+rest run on the demand pool (disk reads, a forward's misses in parallel) or on the calling
 thread; a prefetch (`prefetch`, `predict`) on the prefetch pool, never blocking the caller. A
 load claims a slot under the layer's lock (the directory picks the victim), copies outside it and
-publishes the expert when its bytes are in place; whoever needs the expert meanwhile waits on the
-layer's condition. The experts whose slots the compute thread is enqueueing work on are pinned
-(one expert's views, or a fused kernel's whole set), so no concurrent load claims their slots.
-On CUDA copies run on a side stream that first waits for the compute work queued before the
-claim (an event recorded on the compute stream), so pins may be dropped as soon as the work
-that reads the slots is enqueued, never waiting for it to run; the I/O thread waits for the
-copy before publishing. On the CPU the "device" tier is CPU memory and copies are memcpy.
+publishes the expert when its bytes are in place (a queued load: when its copy is queued, which
+orders it before every later reader, all of them kernels on the compute stream); whoever needs
+the expert meanwhile waits on the layer's condition. A host slot that a queued copy reads is
+not overwritten before that copy has run (`HostTier.read` waits for its event). The experts
+whose slots the compute thread is enqueueing work on are pinned (one expert's views, or a fused
+kernel's whole set), so no concurrent load claims their slots. On CUDA the other copies run on
+a side stream that first waits for the compute work queued before the claim (an event
+recorded on the compute stream), so pins may be dropped as soon as the work that reads the
+slots is enqueued, never waiting for it to run; the I/O thread waits for the copy before
+publishing. On the CPU the "device" tier is CPU memory and copies are memcpy.
 
 Errors: a failed read raises `ExpertReadError` (file, layer, expert) in the thread that needs the
 expert; a failed prefetch is counted and retried when the expert is demanded.
@@ -26,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +60,10 @@ _CPU = torch.device("cpu")
 # 4.25 ms a decode token, asleep 8.1 and 5.09 (a waker's latency on every miss). The decode
 # figures with chains of graphs were measured asleep; `gpu_figures.sh s27c` compares the two.
 COPY_WAIT_BLOCKING = False
+# Demand misses that the host tier holds are queued on the compute stream by the compute thread
+# (module doc); False sends them to the demand pool like the disk's (the way before, kept for
+# side-by-side timing: `gpu_figures.sh s28a`).
+QUEUE_HOST_LOADS = True
 
 
 class ExpertStore:
@@ -183,17 +193,26 @@ class ExpertStore:
 
     # ---- demand ------------------------------------------------------------------------------
     def load(
-        self, layer: int, experts: Sequence[int], keep: Iterable[int] = (), pin: bool = False
+        self,
+        layer: int,
+        experts: Sequence[int],
+        keep: Iterable[int] = (),
+        pin: bool = False,
+        meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        """Block until `experts` (at most the layer's slot count) are in device slots, loading
-        the missing ones in parallel; counts hits, misses and the stall. With `pin` every one
-        of `experts` is left pinned (the caller unpins), or none when this raises; the ready
-        ones are pinned first, so the loads of the others cannot evict them."""
+        """Block until `experts` (at most the layer's slot count) are in device slots for the
+        work queued next on the compute stream: the missing ones the host tier holds are queued
+        on that stream (module doc), the others loaded in parallel; counts hits, misses and the
+        stall (time this thread waited). With `pin` every one of `experts` is left pinned (the
+        caller unpins), or none when this raises; the ready ones are pinned first, so the loads
+        of the others cannot evict them. `meanwhile` runs once the loads have started, before
+        waiting for them (a prefetch that should not queue ahead of them)."""
         tier = self.device_tiers[layer]
         keep = set(keep) | set(experts)
         start = time.perf_counter()
         jobs: list[Future[None]] = []
         waits: list[int] = []
+        claims: list[tuple[int, int, Any]] = []
         loads: list[int] = []
         pinned: list[int] = []
         hits = useful = late = 0
@@ -213,11 +232,20 @@ class ExpertStore:
                     if claimed is None:
                         waits.append(e)
                         continue
-                    slot, ev = claimed
-                    loads.append(e)
-                    jobs.append(self._demand_pool.submit(self._fill, layer, e, slot, ev, False))
+                    claims.append((e, *claimed))
         misses = len(experts) - hits
+        queued = 0
         try:
+            for e, slot, ev in claims:  # from the host tier: queued here; else the pool's
+                if self._queue_fill(layer, e, slot, pin):
+                    queued += 1
+                    if pin:
+                        pinned.append(e)
+                    continue
+                loads.append(e)
+                jobs.append(self._demand_pool.submit(self._fill, layer, e, slot, ev, False))
+            if meanwhile is not None:
+                meanwhile()
             self._wait(jobs)
             for e in loads if pin else ():  # ours: ready unless evicted since; pinned before
                 self._device_ready(layer, e, keep, pin=True)  # the waits below claim slots
@@ -227,6 +255,8 @@ class ExpertStore:
                 if pin:
                     pinned.append(e)
         except BaseException:
+            for j in jobs:  # none left running (they publish or abort their own slots)
+                j.exception()
             with tier.cond:
                 for e in pinned:
                     tier.dir.unpin(e)
@@ -236,9 +266,10 @@ class ExpertStore:
             for e in waits:
                 useful += tier.dir.use(e)
         self.counters.add(
-            device_hits=hits, device_misses=misses, prefetch_useful=useful, prefetch_late=late
-        )
-        if misses:
+            device_hits=hits, device_misses=misses, prefetch_useful=useful, prefetch_late=late,
+            queued_loads=queued,
+        )  # fmt: skip
+        if misses > queued:  # the compute thread waited for a load
             self.counters.add(stalls=1, stall_s=time.perf_counter() - start)
 
     def _device_ready(self, layer: int, e: int, keep: Iterable[int], pin: bool) -> int:
@@ -387,6 +418,49 @@ class ExpertStore:
             self.layers[layer].table_dirty = True
             tier.cond.notify_all()
         self.counters.add(bytes_to_device=n, prefetch_issued=int(prefetch))
+
+    def _queue_fill(self, layer: int, e: int, slot: int, pin: bool) -> bool:
+        """Expert `e` into claimed device slot `slot` from the host tier, its copy queued on the
+        compute stream, published (and pinned when `pin`) at once: every later reader of the
+        slot is a kernel queued after the copy (module doc). False, with nothing done, when the
+        host tier does not hold `e` ready (the caller loads it otherwise)."""
+        host = self.host_tiers[layer]
+        if host is None or not QUEUE_HOST_LOADS:
+            return False
+        hslot = host.pin_ready(e)
+        if hslot is None:
+            return False
+        tier = self.device_tiers[layer]
+        try:
+            with torch.inference_mode():
+                dst, src = tier.buffers.raw(slot), host.buffers.raw(hslot)
+                if self.cuda:
+                    stream = torch.cuda.current_stream(self.device)
+                    for d, s in zip(dst, src, strict=True):
+                        d.copy_(s, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    host.copied_from(hslot, done)
+                else:
+                    for d, s in zip(dst, src, strict=True):
+                        d.copy_(s)
+        except BaseException as err:
+            with tier.cond:
+                tier.dir.abort(e)
+                tier.failed[e] = err
+                tier.cond.notify_all()
+            raise
+        finally:
+            host.unpin(e)
+        with tier.cond:
+            tier.dir.finish(e)
+            if pin:
+                tier.dir.pin(e)
+            tier.slot_mirror[e] = slot
+            self.layers[layer].table_dirty = True
+            tier.cond.notify_all()
+        self.counters.add(host_hits=1, bytes_to_device=sum(d.numel() for d in dst))
+        return True
 
     def _copy_in(self, layer: int, e: int, dst: Sequence[torch.Tensor], evict_event: Any) -> int:
         """Expert `e`'s bytes into device buffers `dst`, from the host tier or the file."""

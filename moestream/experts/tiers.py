@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -104,7 +105,27 @@ def reraise(err: BaseException) -> None:
 
 class HostTier(TierLayer):
     """One layer of the host tier: an inclusive cache of the file in (pinned) host RAM. A slot
-    being copied from is pinned (`pinned` ... `unpin`), so no read overwrites it meanwhile."""
+    being copied from is pinned (`pinned` ... `unpin`), so no read overwrites it meanwhile; a
+    slot that a copy queued on a stream reads (`copied_from`) is overwritten only after that
+    copy has run (`read` waits for its event)."""
+
+    def __init__(self, buffers: SlotBuffers, directory: SlotDirectory, num_experts: int):
+        super().__init__(buffers, directory, num_experts)
+        self._copies: dict[int, Any] = {}  # slot -> event of the last queued copy from it
+
+    def pin_ready(self, e: int) -> int | None:
+        """The slot holding expert `e`, pinned, if it is ready now (counted by the caller);
+        else None."""
+        with self.cond:
+            if not self.dir.is_ready(e):
+                return None
+            self.dir.pin(e)
+            return self.dir.slot_of[e]
+
+    def copied_from(self, slot: int, done: Any) -> None:
+        """A copy from `slot` was queued on a stream; `done` is an event recorded after it."""
+        with self.cond:
+            self._copies[slot] = done
 
     def pinned(self, layer: int, e: int, reader: ExpertFileReader, counters: ExpertCounters) -> int:
         """The slot holding expert `e`, read from the file first if absent; pinned."""
@@ -156,6 +177,10 @@ class HostTier(TierLayer):
     ) -> int:
         """Read expert `e` into claimed slot `slot` and publish it (pinned when `pin`)."""
         try:
+            with self.cond:
+                copy = self._copies.pop(slot, None)
+            if copy is not None:  # a queued copy from the slot's last expert has run
+                copy.synchronize()
             with torch.inference_mode():
                 n = reader.read_expert(layer, e, self.buffers.raw(slot))
         except BaseException as err:

@@ -241,3 +241,71 @@ def test_acquire_pins_experts_and_fills_the_slot_table(source, layout) -> None:
         with pytest.raises(ValueError, match="do not fit"):
             experts.acquire([0, 1, 2, 3])
         store.check()
+
+
+def holds(raw: tuple[torch.Tensor, ...], source, layer: int, e: int) -> bool:
+    """Slot bytes `raw` (per kind) are expert `e` of `layer` in the file."""
+    names = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    want = [source.tensors[f"blk.{layer}.{n}.weight"].data[e] for n in names]
+    return all(torch.equal(r.view(-1), w.reshape(-1).view(torch.uint8)) for r, w in zip(raw, want))
+
+
+class _NoPool:
+    def submit(self, *args, **kwargs):
+        raise AssertionError("a load went to the demand pool")
+
+
+def test_host_tier_misses_are_queued_not_waited_for(source, layout) -> None:
+    """Misses the host tier holds are copied on the caller's stream by the caller (no pool,
+    no stall); `meanwhile` runs once, after they started; misses from the disk still go to the
+    pool and are waited for."""
+    budgets = ExpertBudgets(3 * per_slot(layout) / GIB, 8 * per_slot(layout) / GIB)
+    with build_expert_store(source, source.config, budgets) as store:
+        pool, store._demand_pool = store._demand_pool, _NoPool()
+        calls: list[int] = []
+        try:  # slots hold experts 0-2: 1 is a hit, 5 and 6 are misses
+            store.load(3, [1, 5, 6], pin=True, meanwhile=lambda: calls.append(len(calls)))
+        finally:
+            store._demand_pool = pool
+        assert calls == [0]
+        tier = store.device_tiers[3]
+        for e in (5, 6):
+            slot = tier.dir.slot_of[e]
+            assert tier.dir.pins[e] == 1 and tier.slot_mirror[e] == slot
+            assert holds(tier.buffers.raw(slot), source, 3, e)
+        s = store.counters.snapshot()
+        assert (s["device_hits"], s["device_misses"], s["queued_loads"]) == (1, 2, 2)
+        assert s["host_hits"] == 2 and s["stalls"] == 0 and s["disk_reads"] == 0
+        assert s["bytes_to_device"] == 2 * layout.expert_bytes(3)
+        for e in (1, 5, 6):
+            tier.dir.unpin(e)
+        store.check()
+    disk_only = ExpertBudgets(budgets.gpu_expert_cache_gib)
+    with build_expert_store(source, source.config, disk_only) as store:
+        store.load(3, [5, 6], meanwhile=lambda: calls.append(len(calls)))
+        assert calls == [0, 1]
+        s = store.counters.snapshot()
+        assert (s["device_misses"], s["queued_loads"], s["disk_reads"], s["stalls"]) == (2, 0, 2, 1)
+
+
+def test_a_host_slot_is_not_overwritten_before_its_queued_copy_ran(source, layout) -> None:
+    """A host slot that a queued copy reads (`copied_from`) is reused only after the copy's
+    event: the read of another expert into it waits for the event first."""
+    budgets = ExpertBudgets(2 * per_slot(layout) / GIB, 3 * per_slot(layout) / GIB)
+    with build_expert_store(source, source.config, budgets) as store:
+        host = store.host_tiers[2]
+        assert host is not None and len(host.dir) == 3  # experts 0-2: the tier is full
+        held = list(host.dir.expert_in)
+        with host.cond:
+            slot = host.claim_slot(7, store.counters)
+        assert slot is not None and held[slot] in (0, 1, 2)
+        waited: list[bool] = []
+
+        class Event:  # a copy from the slot's old expert, queued before the eviction
+            def synchronize(self) -> None:
+                waited.append(holds(host.buffers.raw(slot), source, 2, held[slot]))
+
+        host.copied_from(slot, Event())
+        host.read(2, 7, slot, store.reader, store.counters, pin=False)
+        assert waited == [True] and holds(host.buffers.raw(slot), source, 2, 7)
+        store.check()
