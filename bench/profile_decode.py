@@ -6,12 +6,18 @@ python bench/profile_decode.py MODEL.gguf [--device cuda] [--steps 10] [--prompt
     [--gpu-expert-cache-gib G --host-expert-cache-gib H --expert-zero-copy
      --expert-cpu-fraction F --expert-cpu-threads N]   # an expert placement, as `moestream
                                                        # bench` takes it
+
+With streamed experts on CUDA (decode steps as chains of CUDA graphs, runner/piecewise.py) the
+host's part between pieces is timed too, per cut: the wait for the piece before it (a stream
+sync), the hook (`before`: the routing read, loads, prefetch, slot table), the next piece's
+launch and the `after` hook; and the step outside the chain (the engine's own work).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 
 import torch
@@ -54,6 +60,54 @@ def gpu_timeline(prof, steps: int) -> None:
         print(f"| {a} | {b} | {us / steps / 1e3:.3f} | {n / steps:.1f} | {us / n:.1f} |")
 
 
+def time_cuts() -> dict[str, list[float]]:
+    """Time the host's part of every replayed chain of graphs (module doc): patches
+    `piecewise.Cutter.replay` (before any capture, so every chain gets the timed replay)."""
+    from moestream.runner import piecewise
+
+    times: dict[str, list[float]] = {"chains": [], "sync": [], "before": [], "launch": [],
+                                     "after": []}  # fmt: skip
+    clock = time.perf_counter
+
+    def replay(self: piecewise.Cutter) -> None:
+        start = clock()
+        self.graphs[0].replay()
+        stream = torch.cuda.current_stream()
+        for (before, after), graph in zip(self.hooks, self.graphs[1:], strict=True):
+            t0 = clock()
+            stream.synchronize()  # the wait `before` starts with; its own sync then returns
+            t1 = clock()
+            before()
+            t2 = clock()
+            graph.replay()
+            t3 = clock()
+            after()
+            t4 = clock()
+            for name, dt in zip(
+                ("sync", "before", "launch", "after"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+            ):
+                times[name].append(dt)
+        times["chains"].append(clock() - start)
+
+    piecewise.Cutter.replay = replay  # type: ignore[method-assign]
+    return times
+
+
+def report_cuts(times: dict[str, list[float]], step_ms: float) -> None:
+    """Medians per cut and sums per step of the chains replayed in the plain run."""
+    chains = len(times["chains"])
+    per = len(times["sync"]) / chains
+    chain_ms = statistics.median(times["chains"]) * 1e3
+    print(f"chains of graphs: {per:.0f} cuts a step, {chain_ms:.2f} ms a chain (median), "
+          f"{step_ms - chain_ms:.2f} ms of the step outside it")  # fmt: skip
+    print("| at each cut | median us | mean us | ms a step |")
+    print("|---|---|---|---|")
+    for name in ("sync", "before", "launch", "after"):
+        v = times[name]
+        print(f"| {name} | {statistics.median(v) * 1e6:.1f} | {statistics.fmean(v) * 1e6:.1f} | "
+              f"{sum(v) / chains * 1e3:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("model")
@@ -75,6 +129,7 @@ def main() -> None:
         expert_cpu_fraction=args.expert_cpu_fraction, expert_cpu_threads=args.expert_cpu_threads,
         expert_rebalance_steps=0,
     )  # fmt: skip
+    cuts = time_cuts() if llm.device.type == "cuda" else None
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.steps * 3 + 40, ignore_eos=True)
     ids = [(i * 7919) % (llm.config.vocab_size - 10) + 5 for i in range(args.prompt)]
@@ -85,12 +140,16 @@ def main() -> None:
     sync()
     host = [z.host_work.compute for z in (llm.zero_copy or [])[:1] if z.host_work is not None]
     before = host[0].counters if host else None
+    for v in (cuts or {}).values():
+        v.clear()  # the warm-up's
     t = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     sync()
     step_ms = (time.perf_counter() - t) / args.steps * 1e3
     print(f"plain: {step_ms:.2f} ms per decode step")
+    if cuts is not None and cuts["chains"]:
+        report_cuts(cuts, step_ms)
     if host:
         after = host[0].counters
         calls = (after["calls"] - before["calls"]) / args.steps

@@ -1330,7 +1330,7 @@ PY
     synth qwen3-30b-a3b q30
     timeout 200 python3 -m pytest tests/runner/test_piecewise.py tests/runner/test_cuda_graph.py \
       tests/experts/test_exactness.py -q -p no:cacheprovider --tb=short 2>&1 | tail -4
-    local h50=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+    h50=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
       --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32)
     for arm in True False True False; do queue_arm q50 "$arm" 80 "${h50[@]}" --repeats 2; done
     queue_arm t1_q50 True 120 "${h50[@]}" --repeats 2 --temperature 1.0 --concurrency 8 \
@@ -1341,19 +1341,24 @@ PY
     # steps instead of 64 (the greedy loops' experts promoted within the timed decode).
     # Prediction: host 25% t1 20-40; disk 50% t1 8-18; zero-copy t1 60-75 (greedy 71.7);
     # zero-copy greedy rebalanced every 8 steps > 90
+    # First the host's time at each cut of the chains (s28c: GPU idle 148 us after each
+    # routing read; prediction: the hook itself 40-70 us of it, the launch 10-20)
     synth qwen3-30b-a3b q30
-    local t1=(--device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+    timeout 100 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 16 \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_cuts.md" | head -16
+    t1=(--device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
       --decode-tokens 32 --repeats 2 --temperature 1.0)
     bench t1_host25 100 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 4.4 \
       --host-expert-cache-gib 24
-    bench t1_disk50 120 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 8.8 \
-      --host-expert-cache-gib 0 --expert-direct-io
     bench t1_zc50 100 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 8.8 \
       --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.6
     bench zc50_rb8 100 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 \
       --decode-depths 0 --decode-tokens 64 --repeats 2 --gpu-expert-cache-gib 8.8 \
       --host-expert-cache-gib 24 --expert-zero-copy --expert-cpu-fraction 0.6 \
       --expert-rebalance-steps 8
+    bench t1_disk50 120 /tmp/q30.gguf "${t1[@]}" --gpu-expert-cache-gib 8.8 \
+      --host-expert-cache-gib 0 --expert-direct-io
     ;;
   s27c)  # next session: the I/O threads' copy wait with chains of graphs, spinning (the
     # default since the nineteenth session) against asleep (how s26d measured 73.0 tok/s), in
@@ -1361,6 +1366,12 @@ PY
     # of 4.25 against 5.09 ms a decode token)
     synth qwen3-30b-a3b q30
     copy_wait_arms copy_wait 32 3
+    ;;
+  s28c)  # the GPU exactness test (its eager streamed model), then s27b's profile with queued
+    # loads (s28a: stall 0.44 ms a decode token, yet ~14.7 ms a token with ~2 ms on the GPU)
+    timeout 100 python3 -m pytest tests/experts/test_exactness.py -q -p no:cacheprovider \
+      --tb=short -m gpu 2>&1 | tail -30
+    OUT="$out" bash "$0" s27b
     ;;
   s27b)  # next session: where the chains' host time goes (s26d at 50% from host memory: a
     # 13.7 ms step of which 5.4 ms stall, ~2 ms GPU, ~170 us a layer between pieces; a demand

@@ -180,9 +180,8 @@ class LayerExperts:
         loads have started (`ExpertStore.load`)."""
         routed = sorted({int(e) for experts in token_experts for e in experts})
         store = self.store
-        if self.layer == 0:
-            store.counters.add(tokens=len(token_experts))
-        store.account_prediction(self.layer, set(routed))
+        tokens = {"tokens": len(token_experts)} if self.layer == 0 else {}
+        store.account_prediction(self.layer, set(routed), **tokens)
         self._in_forward = True
         if store.cuda:  # loads order their copies after the work queued on this stream
             store.compute_stream = torch.cuda.current_stream(store.device)

@@ -265,12 +265,12 @@ class ExpertStore:
         with tier.cond:
             for e in waits:
                 useful += tier.dir.use(e)
-        self.counters.add(
-            device_hits=hits, device_misses=misses, prefetch_useful=useful, prefetch_late=late,
-            queued_loads=queued,
-        )  # fmt: skip
+        counts: dict[str, float] = {"device_hits": hits, "device_misses": misses,
+                                    "prefetch_useful": useful, "prefetch_late": late,
+                                    "queued_loads": queued}  # fmt: skip
         if misses > queued:  # the compute thread waited for a load
-            self.counters.add(stalls=1, stall_s=time.perf_counter() - start)
+            counts.update(stalls=1, stall_s=time.perf_counter() - start)
+        self.counters.add(**counts)
 
     def _device_ready(self, layer: int, e: int, keep: Iterable[int], pin: bool) -> int:
         """Block until `e` is ready in a device slot (loading it on this thread if nobody is);
@@ -311,10 +311,14 @@ class ExpertStore:
         if tier.n_slots == self.num_experts:
             return 0
         want = list(dict.fromkeys(experts))
+        with tier.cond:
+            missing = [e for e in want if not tier.dir.is_mapped(e)]
+        if not missing:  # the common case of a warm cache: nothing to start
+            return 0
         keep = set(want) | self.layers[layer].pending_snapshot()
         jobs = []
         with tier.cond:
-            for e in want:
+            for e in missing:
                 if tier.dir.is_mapped(e):
                     continue
                 claimed = self._claim(layer, tier, e, keep)
@@ -347,11 +351,15 @@ class ExpertStore:
         self.counters.add(predicted=len(want))
         self.prefetch(layer, sorted(want))
 
-    def account_prediction(self, layer: int, routed: set[int]) -> None:
+    def account_prediction(self, layer: int, routed: set[int], **counts: int) -> None:
+        """Counts how many of `routed` (a forward's experts of `layer`) had been predicted,
+        with the forward's other `counts` (one update of the counters)."""
         predicted = self._predicted[layer]
         if predicted is not None:
             self._predicted[layer] = None
-            self.counters.add(predicted_correct=len(routed & predicted), routed=len(routed))
+            counts.update(predicted_correct=len(routed & predicted), routed=len(routed))
+        if counts:
+            self.counters.add(**counts)
 
     def _prefetch_one(self, layer: int, e: int, slot: int, ev: Any) -> None:
         # A failed read is counted and kept in `failed`; a demand for `e` reads again, reports.
@@ -367,7 +375,7 @@ class ExpertStore:
             tier.dir.new_forward()
             promoted, demoted = tier.dir.record(token_experts), ()
         host = self.host_tiers[layer]
-        if host is not None:
+        if host is not None and host.n_slots < self.num_experts:  # (else it never evicts)
             with host.cond:
                 host.dir.record(token_experts)
         if promoted:
