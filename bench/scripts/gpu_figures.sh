@@ -1367,6 +1367,24 @@ PY
     synth qwen3-30b-a3b q30
     copy_wait_arms copy_wait 32 3
     ;;
+  s28d)  # the hook's bookkeeping trimmed (all-hit forwards pin in one pass, one counters update,
+    # no prefetch work when the prediction is in slots, the promoter shares the eviction
+    # policy's window): the cut timing again (s28b: before 107 us median, 10.37 ms a step),
+    # then batch 1 greedy and temperature 1 (with 8 requests) at 50%, temperature 1 at 25%.
+    # Prediction: before 60-85 us, 8.5-9.5 ms a step; bench 50% greedy 75-90 tok/s
+    synth qwen3-30b-a3b q30
+    timeout 100 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 16 \
+      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
+      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_cuts.md" | head -9
+    h50=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
+      --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32)
+    bench q50 90 "${h50[@]}" --repeats 3
+    bench t1_q50 120 "${h50[@]}" --repeats 2 --temperature 1.0 --concurrency 8 \
+      --concurrency-prompt 32
+    bench t1_q25 100 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 4.4 \
+      --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32 \
+      --repeats 2 --temperature 1.0
+    ;;
   s28c)  # the GPU exactness test (its eager streamed model), then s27b's profile with queued
     # loads (s28a: stall 0.44 ms a decode token, yet ~14.7 ms a token with ~2 ms on the GPU)
     timeout 100 python3 -m pytest tests/experts/test_exactness.py -q -p no:cacheprovider \

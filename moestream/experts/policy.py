@@ -140,7 +140,10 @@ class SlotDirectory:
         self.policy = policy
         self.n_resident = n_resident
         self.rebalance_every = rebalance_every
-        self.promoter = WindowLFUPolicy(policy.num_experts, promote_window) if n_resident else None
+        self.promoter: ExpertPolicy | None = None
+        if n_resident:  # the eviction policy itself when it counts the same window
+            same = isinstance(policy, WindowLFUPolicy) and policy.window == promote_window
+            self.promoter = policy if same else WindowLFUPolicy(policy.num_experts, promote_window)
         self.slot_of: dict[int, int] = {}
         self.expert_in: list[int | None] = [None] * n_slots
         self._free = list(range(n_slots - 1, -1, -1))  # pop() gives the lowest slot
@@ -208,12 +211,40 @@ class SlotDirectory:
     def pin(self, e: int) -> None:
         self.pins[e] = self.pins.get(e, 0) + 1
 
+    def use_all_ready(self, experts: Sequence[int], pin: bool) -> int | None:
+        """When every one of `experts` is ready (a forward's hits, the common case of a warm
+        cache): marks each used (and pins it when `pin`) and returns how many were unused
+        prefetches; else None, and nothing changed."""
+        slot_of, loading = self.slot_of, self.loading
+        for e in experts:
+            if e not in slot_of or e in loading:
+                return None
+        if pin:
+            pins = self.pins
+            for e in experts:
+                pins[e] = pins.get(e, 0) + 1
+        fresh = self.fresh
+        if not fresh:
+            return 0
+        used = fresh.intersection(experts)
+        fresh.difference_update(used)
+        return len(used)
+
     def unpin(self, e: int) -> None:
         n = self.pins[e] - 1
         if n:
             self.pins[e] = n
         else:
             del self.pins[e]
+
+    def unpin_all(self, experts: Iterable[int]) -> None:
+        pins = self.pins
+        for e in experts:
+            n = pins[e] - 1
+            if n:
+                pins[e] = n
+            else:
+                del pins[e]
 
     def new_forward(self) -> None:
         """A forward of this layer begins: earlier prefetches lose their protection."""
@@ -225,7 +256,8 @@ class SlotDirectory:
         self.policy.record(token_experts)
         if self.promoter is None:
             return []
-        self.promoter.record(token_experts)
+        if self.promoter is not self.policy:
+            self.promoter.record(token_experts)
         self._since_rebalance += len(token_experts)
         if self._since_rebalance < self.rebalance_every:
             return []

@@ -178,10 +178,11 @@ class LayerExperts:
         With `pin` (at most n_slots experts) `load` stays pinned until `release()` or `end()`,
         and `expert_slot` maps it: the operands of a fused kernel. `meanwhile` runs once the
         loads have started (`ExpertStore.load`)."""
-        routed = sorted({int(e) for experts in token_experts for e in experts})
+        routed_set = {int(e) for experts in token_experts for e in experts}
+        routed = sorted(routed_set)
         store = self.store
         tokens = {"tokens": len(token_experts)} if self.layer == 0 else {}
-        store.account_prediction(self.layer, set(routed), **tokens)
+        store.account_prediction(self.layer, routed_set, **tokens)
         self._in_forward = True
         if store.cuda:  # loads order their copies after the work queued on this stream
             store.compute_stream = torch.cuda.current_stream(store.device)
@@ -191,8 +192,11 @@ class LayerExperts:
                 meanwhile()
             return
         with self.tier.cond:
-            self._pending = set(routed)
-        first = routed[: self.tier.n_slots] if load is None else sorted({int(e) for e in load})
+            self._pending = routed_set
+        if load is None:
+            first = routed[: self.tier.n_slots]
+        else:
+            first = routed if load == routed else sorted({int(e) for e in load})
         if pin and len(first) > self.tier.n_slots:
             raise ValueError(f"{len(first)} experts do not fit {self.tier.n_slots} slots")
         store.load(self.layer, first, keep=routed, pin=pin, meanwhile=meanwhile)
@@ -205,7 +209,7 @@ class LayerExperts:
         with self.tier.cond:
             self._unpin_current()
             self._pending = set()
-        self.release()
+            self._release_locked()
         self._in_forward = False
 
     # ---- fused-kernel path -------------------------------------------------------------------
@@ -231,8 +235,11 @@ class LayerExperts:
     def release(self) -> None:
         """Unpin what `acquire` (and `begin(pin=True)`) pinned (see `acquire` for when)."""
         with self.tier.cond:
-            for e in self._acquired:
-                self.tier.dir.unpin(e)
+            self._release_locked()
+
+    def _release_locked(self) -> None:
+        if self._acquired:
+            self.tier.dir.unpin_all(self._acquired)
             self._acquired = []
             self.tier.cond.notify_all()
 

@@ -208,6 +208,13 @@ class ExpertStore:
         of the others cannot evict them. `meanwhile` runs once the loads have started, before
         waiting for them (a prefetch that should not queue ahead of them)."""
         tier = self.device_tiers[layer]
+        with tier.cond:
+            useful = tier.dir.use_all_ready(experts, pin)
+        if useful is not None:  # all hits: nothing to load or wait for
+            if meanwhile is not None:
+                meanwhile()
+            self.counters.add(device_hits=len(experts), prefetch_useful=useful)
+            return
         keep = set(keep) | set(experts)
         start = time.perf_counter()
         jobs: list[Future[None]] = []
