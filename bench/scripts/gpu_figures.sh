@@ -1367,15 +1367,22 @@ PY
     synth qwen3-30b-a3b q30
     copy_wait_arms copy_wait 32 3
     ;;
-  s28d)  # the hook's bookkeeping trimmed (all-hit forwards pin in one pass, one counters update,
-    # no prefetch work when the prediction is in slots, the promoter shares the eviction
-    # policy's window): the cut timing again (s28b: before 107 us median, 10.37 ms a step),
-    # then batch 1 greedy and temperature 1 (with 8 requests) at 50%, temperature 1 at 25%.
-    # Prediction: before 60-85 us, 8.5-9.5 ms a step; bench 50% greedy 75-90 tok/s
+  s28d)  # the hook trimmed (all-hit forwards pin in one pass, one counters update, no prefetch
+    # work when the prediction is in slots, one policy record) and its bookkeeping deferred to
+    # the store's thread: the cut timing with the bookkeeping deferred and kept on the compute
+    # thread, in turn (s28b: before 107 us median, 10.37 ms a step), then batch 1 greedy and
+    # temperature 1 (with 8 requests) at 50%, temperature 1 at 25%. Prediction: before 60-85
+    # us kept, 25-50 deferred; 6.5-8 ms a step deferred; bench 50% greedy 85-120 tok/s
     synth qwen3-30b-a3b q30
-    timeout 100 python3 bench/profile_decode.py /tmp/q30.gguf --device cuda --steps 16 \
-      --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 2>&1 \
-      | grep -v "USDT\|_warn_once\|UserWarning" | tee "$out/profile_cuts.md" | head -9
+    for arm in True False; do
+      timeout 90 python3 -c "import runpy, sys, moestream.experts.prefetch as p
+p.DEFER_BOOKKEEPING = $arm
+sys.argv = ['profile_decode.py', '/tmp/q30.gguf', '--device', 'cuda', '--steps', '16',
+            '--kv-cache-gib', '4', '--gpu-expert-cache-gib', '8.8', '--host-expert-cache-gib', '24']
+runpy.run_path('bench/profile_decode.py', run_name='__main__')" 2>&1 \
+        | grep -v "USDT\|_warn_once\|UserWarning" > "$out/profile_cuts_$arm.md"
+      echo "defer=$arm"; head -9 "$out/profile_cuts_$arm.md"
+    done
     h50=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --gpu-expert-cache-gib 8.8
       --host-expert-cache-gib 24 --prompt-lens 32 --decode-depths 0 --decode-tokens 32)
     bench q50 90 "${h50[@]}" --repeats 3

@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 # on average before the per-expert path is cheaper in loads.
 EXACT_USES_PER_EXPERT = 8.0
 
+# A chained forward whose experts are all in slots leaves its bookkeeping to the store's thread
+# (`LayerExperts.begin(defer=True)`); False keeps it on the compute thread (side-by-side
+# timing: `gpu_figures.sh s28d`).
+DEFER_BOOKKEEPING = True
+
 # Rows of the pinned buffer a captured layer copies its routing into: the most tokens a graph
 # of a streamed layer takes (runner/cuda_graph.BUCKETS tops at 32).
 GRAPH_ROWS = 256
@@ -441,7 +446,7 @@ class StreamedMoE:
             routed = sorted({e for experts in token_experts for e in experts})
             try:
                 provider.begin(token_experts, load=routed, pin=True, meanwhile=predict,
-                               defer=True)  # fmt: skip
+                               defer=DEFER_BOOKKEEPING)  # fmt: skip
             except BaseException:  # a failed read: the step fails, the layer's state is reset
                 provider.end()
                 raise
