@@ -1367,7 +1367,8 @@ PY
     synth qwen3-30b-a3b q30
     copy_wait_arms copy_wait 32 3
     ;;
-  s28d)  # the hook trimmed (all-hit forwards pin in one pass, one counters update, no prefetch
+  s28d)  # (ran at b730a2f; the deferral it compares was removed after this run, 2.4% slower a
+    # step: both arms now run the same code) the hook trimmed (all-hit forwards pin in one pass, one counters update, no prefetch
     # work when the prediction is in slots, one policy record) and its bookkeeping deferred to
     # the store's thread: the cut timing with the bookkeeping deferred and kept on the compute
     # thread, in turn (s28b: before 107 us median, 10.37 ms a step), then batch 1 greedy and

@@ -63,13 +63,9 @@ class ExpertCounters:
         self._values = {p: dict.fromkeys(_FIELDS, 0) for p in PHASES}
         self._local = threading.local()  # an I/O thread's job: the phase that started it
         self.phase = "decode"  # of the forward running now (`enter_step` sets it)
-        # Called before every read and reset: the store's flush of its deferred bookkeeping.
-        self.before_read: Callable[[], None] | None = None
 
     def enter_step(self, plan: StepPlan) -> None:
-        """A step's forward is about to run: count in its phase (`phase_of`), once what the
-        steps before it still owe has landed (which also bounds a deferred job's lag)."""
-        self._settle()
+        """A step's forward is about to run: count in its phase (`phase_of`)."""
         self.phase = phase_of(plan)
 
     def in_phase(self, fn: Callable[..., R]) -> Callable[..., R]:
@@ -92,18 +88,11 @@ class ExpertCounters:
             for name, delta in deltas.items():
                 values[name] += delta  # KeyError on a typo: our bug
 
-    def _settle(self) -> None:
-        """Counts still owed by deferred jobs land first (`ExpertStore.flush`)."""
-        if self.before_read is not None:
-            self.before_read()
-
     def __getitem__(self, name: str) -> float:
-        self._settle()
         with self._lock:
             return sum(v[name] for v in self._values.values())
 
     def reset(self) -> None:
-        self._settle()
         with self._lock:
             self._values = {p: dict.fromkeys(_FIELDS, 0) for p in PHASES}
 
@@ -112,7 +101,6 @@ class ExpertCounters:
         device_hit_rate, host_hit_rate, prefetch_accuracy (useful / issued), prediction_recall
         (predicted_correct / routed), prediction_precision (predicted_correct / predicted),
         stall_ms_per_token; and under "phases" the same for each phase alone."""
-        self._settle()
         with self._lock:
             phases = {p: dict(v) for p, v in self._values.items()}
         total = {name: sum(v[name] for v in phases.values()) for name in _FIELDS}

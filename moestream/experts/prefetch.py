@@ -29,8 +29,6 @@ On CUDA a decode step of up to `StreamedMoE.graph_tokens` tokens (its routed exp
 the slots) runs as a chain of CUDA graphs cut at each streamed layer's host read
 (`runner/piecewise.py`): the routing is copied into pinned memory inside a piece, the host work
 above runs between pieces, and the next piece runs the fused call (`StreamedMoE._captured`).
-There a forward whose experts are all in slots only pins them before the next piece; its
-counting, policies and prediction go to the store's bookkeeping thread (`ExpertStore.defer`).
 
 Letters: T tokens, H hidden size, E experts, k experts per token.
 """
@@ -54,11 +52,6 @@ if TYPE_CHECKING:
 # Token-group passes may use (pin, loading where missing) each routed expert this many times
 # on average before the per-expert path is cheaper in loads.
 EXACT_USES_PER_EXPERT = 8.0
-
-# A chained forward whose experts are all in slots leaves its bookkeeping to the store's thread
-# (`LayerExperts.begin(defer=True)`); False keeps it on the compute thread (side-by-side
-# timing: `gpu_figures.sh s28d`).
-DEFER_BOOKKEEPING = True
 
 # Rows of the pinned buffer a captured layer copies its routing into: the most tokens a graph
 # of a streamed layer takes (runner/cuda_graph.BUCKETS tops at 32).
@@ -178,22 +171,16 @@ class LayerExperts:
         load: Sequence[int] | None = None,
         pin: bool = False,
         meanwhile: Callable[[], None] | None = None,
-        defer: bool = False,
     ) -> None:
         """A forward of this layer starts with this routing (each token's experts): counts it,
         records it (eviction and promotion policies) and loads `load` (default: the routed
         experts, as many as the slots hold) in parallel, counting hits, misses and the stall.
         With `pin` (at most n_slots experts) `load` stays pinned until `release()` or `end()`,
         and `expert_slot` maps it: the operands of a fused kernel. `meanwhile` runs once the
-        loads have started (`ExpertStore.load`). With `defer` (and `pin`), a forward with
-        nothing to load pins and leaves the rest to the store's bookkeeping thread
-        (`ExpertStore.defer`); any other forward first waits for that thread's backlog."""
+        loads have started (`ExpertStore.load`)."""
         routed_set = {int(e) for experts in token_experts for e in experts}
         routed = sorted(routed_set)
-        if defer and pin and self._begin_deferred(token_experts, routed_set, routed, meanwhile):
-            return
         store = self.store
-        store.flush()
         tokens = {"tokens": len(token_experts)} if self.layer == 0 else {}
         store.account_prediction(self.layer, routed_set, **tokens)
         self._in_forward = True
@@ -216,40 +203,6 @@ class LayerExperts:
         if pin:
             self._acquired += first
         store.record(self.layer, token_experts)  # after the pins: promotions cannot evict them
-
-    def _begin_deferred(
-        self,
-        token_experts: Sequence[Sequence[int]],
-        routed_set: set[int],
-        routed: list[int],
-        meanwhile: Callable[[], None] | None,
-    ) -> bool:
-        """`begin(load=routed, pin=True, defer=True)` when every routed expert is in a slot:
-        pins them here and defers the rest; False, with nothing done, when some must load."""
-        store, tier, layer = self.store, self.tier, self.layer
-        if self.fully_resident:
-            useful = 0
-        else:
-            with tier.cond:
-                useful = tier.dir.use_all_ready(routed, pin=True)
-                if useful is None:
-                    return False
-                self._pending = routed_set
-            self._acquired += routed
-        self._in_forward = True
-        tokens = len(token_experts) if layer == 0 else 0
-        token_experts = [list(experts) for experts in token_experts]  # the job's own copy
-
-        def books() -> None:
-            counts = {"device_hits": len(routed), "prefetch_useful": useful}
-            store.account_prediction(layer, routed_set, tokens=tokens, **counts)
-            if meanwhile is not None:
-                meanwhile()
-            if not self.fully_resident:
-                store.record(layer, token_experts)
-
-        store.defer(books)
-        return True
 
     def end(self) -> None:
         """The forward is over (its work enqueued): every pin it held is released."""
@@ -445,8 +398,10 @@ class StreamedMoE:
             token_experts, predict = self._host_rows(rows.tolist())
             routed = sorted({e for experts in token_experts for e in experts})
             try:
-                provider.begin(token_experts, load=routed, pin=True, meanwhile=predict,
-                               defer=DEFER_BOOKKEEPING)  # fmt: skip
+                if provider.fully_resident:
+                    provider.begin(token_experts, meanwhile=predict)
+                else:
+                    provider.begin(token_experts, load=routed, pin=True, meanwhile=predict)
             except BaseException:  # a failed read: the step fails, the layer's state is reset
                 provider.end()
                 raise

@@ -23,15 +23,6 @@ recorded on the compute stream), so pins may be dropped as soon as the work that
 slots is enqueued, never waiting for it to run; the I/O thread waits for the copy before
 publishing. On the CPU the "device" tier is CPU memory and copies are memcpy.
 
-Bookkeeping: a forward replayed in a chain of CUDA graphs whose experts are all in slots
-(`LayerExperts.begin(defer=True)`) pins them and leaves the rest of its host work (counters,
-the eviction and promotion policies, the next layer's prediction and prefetch) to one
-bookkeeping thread, in order (`defer`), which runs while the compute thread waits for the GPU
-(both release the GIL there): the host's part between two pieces is then the pins. Anything
-that reads the store's state in full waits for it first (`flush`: every other forward, the
-counters' reads, `drain`, `close`); placement may lag a forward behind, results never depend
-on it.
-
 Errors: a failed read raises `ExpertReadError` (file, layer, expert) in the thread that needs the
 expert; a failed prefetch is counted and retried when the expert is demanded.
 """
@@ -39,7 +30,6 @@ expert; a failed prefetch is counted and retried when the expert is demanded.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -134,12 +124,6 @@ class ExpertStore:
         self._predicted: list[set[int] | None] = [None] * layout.n_layers
         self._inflight: list[Future[None]] = []
         self._inflight_lock = threading.Lock()
-        self._books: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._books_thread: threading.Thread | None = None
-        self._books_sent = self._books_done = 0
-        self._books_cond = threading.Condition()
-        self._books_error: BaseException | None = None
-        self.counters.before_read = self.flush
         self.layers = [LayerExperts(self, i) for i in range(layout.n_layers)]
         self.warm([i for i in range(layout.n_layers) if self.layers[i].fully_resident])
 
@@ -176,12 +160,6 @@ class ExpertStore:
         self.counters.reset()
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # a job's error was a step's to report
-            self.flush()
-        if self._books_thread is not None:
-            self._books.put(None)
-            self._books_thread.join()
-            self._books_thread = None
         self._demand_pool.shutdown(wait=True)
         self._prefetch_pool.shutdown(wait=True)
         self.reader.close()
@@ -202,7 +180,6 @@ class ExpertStore:
 
     def check(self) -> None:
         """Invariants (tests): directories consistent, mirrors agree, slots within budget."""
-        self.flush()
         for tiers in (self.device_tiers, self.host_tiers):
             for tier in tiers:
                 if tier is None:
@@ -332,39 +309,6 @@ class ExpertStore:
         self._fill(layer, e, slot, ev, False)
         return self._device_ready(layer, e, keep, pin) if pin else slot
 
-    # ---- deferred bookkeeping ----------------------------------------------------------------
-    def defer(self, job: Callable[[], None]) -> None:
-        """Run `job` on the bookkeeping thread after the jobs deferred before it (module doc),
-        counting in the phase current now."""
-        if self._books_thread is None:
-            self._books_thread = threading.Thread(
-                target=self._run_books, name="experts-books", daemon=True
-            )
-            self._books_thread.start()
-        self._books_sent += 1
-        self._books.put(self.counters.in_phase(job))
-
-    def flush(self) -> None:
-        """Wait until every deferred job has run; raises the first error one of them raised
-        since the last flush."""
-        if self._books_done != self._books_sent:
-            with self._books_cond:
-                while self._books_done != self._books_sent:
-                    self._books_cond.wait()
-        err, self._books_error = self._books_error, None
-        if err is not None:
-            raise RuntimeError("the expert store's deferred bookkeeping failed") from err
-
-    def _run_books(self) -> None:
-        while (job := self._books.get()) is not None:
-            try:
-                job()
-            except BaseException as err:  # reported by the next flush
-                self._books_error = self._books_error or err
-            with self._books_cond:
-                self._books_done += 1
-                self._books_cond.notify_all()
-
     # ---- prefetch ----------------------------------------------------------------------------
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:
         """Start loading `experts` into layer `layer`'s device slots without waiting; returns
@@ -401,7 +345,6 @@ class ExpertStore:
 
     def drain(self) -> None:
         """Wait until every prefetch started so far has finished (benchmarks, tests)."""
-        self.flush()
         with self._inflight_lock:
             pending = list(self._inflight)
         for f in pending:

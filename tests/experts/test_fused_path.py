@@ -320,11 +320,8 @@ def test_streamed_layers_cut_for_graphs_match_resident(reference, device_path, m
         snap = store.counters.snapshot()
         assert snap["predicted"] > 0 and snap["predicted_correct"] > 0
         assert paths(llm)["fused"] > 0
-        # most cut forwards found their experts in slots and left their bookkeeping to the
-        # store's thread; every count still landed: one per token, decode or prompt
-        assert store._books_sent > cutter.cuts // 2
         prompts = sum(len(llm.tokenizer.encode(p)) for p in [*PROMPTS, PROMPTS[1]])  # logits'
-        assert snap["tokens"] == prompts + 3 * (GREEDY.max_tokens - 1)
+        assert snap["tokens"] == prompts + 3 * (GREEDY.max_tokens - 1)  # each counted once
 
 
 def test_a_layer_past_its_graph_limit_is_refused(source, device_path, monkeypatch) -> None:

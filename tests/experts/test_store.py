@@ -309,26 +309,3 @@ def test_a_host_slot_is_not_overwritten_before_its_queued_copy_ran(source, layou
         host.read(2, 7, slot, store.reader, store.counters, pin=False)
         assert waited == [True] and holds(host.buffers.raw(slot), source, 2, 7)
         store.check()
-
-
-def test_deferred_bookkeeping_runs_in_order_and_reports_its_errors(source, layout) -> None:
-    """Jobs run on one thread in the order deferred; `flush` waits for them all (so do the
-    counters' reads); a job's error comes out of the next flush, once."""
-    budgets = ExpertBudgets(3 * per_slot(layout) / GIB)
-    with build_expert_store(source, source.config, budgets) as store:
-        done: list[int] = []
-
-        def job(i: int) -> None:
-            time.sleep(0.002 * (i % 2))  # uneven jobs: order must not depend on their length
-            done.append(i)
-            store.counters.add(predicted=1)
-
-        for i in range(6):
-            store.defer(lambda i=i: job(i))
-        assert store.counters["predicted"] == 6 and done == list(range(6))
-        store.defer(lambda: 1 / 0)
-        store.defer(lambda: done.append(6))
-        with pytest.raises(RuntimeError, match="deferred bookkeeping failed") as err:
-            store.flush()
-        assert isinstance(err.value.__cause__, ZeroDivisionError) and done[-1] == 6
-        store.flush()  # reported once
