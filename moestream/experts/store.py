@@ -420,18 +420,12 @@ class ExpertStore:
             with torch.inference_mode():
                 n = self._copy_in(layer, e, tier.buffers.raw(slot), evict_event)
         except BaseException as err:
-            with tier.cond:
-                tier.dir.abort(e)
-                tier.failed[e] = err
-                tier.cond.notify_all()
+            tier.fail(e, err)
             if isinstance(err, ExpertReadError):
                 self.counters.add(read_errors=1)
             raise
-        with tier.cond:
-            tier.dir.finish(e, fresh=prefetch)
-            tier.slot_mirror[e] = slot
-            self.layers[layer].table_dirty = True
-            tier.cond.notify_all()
+        tier.publish(e, slot, fresh=prefetch)
+        self.layers[layer].table_dirty = True
         self.counters.add(bytes_to_device=n, prefetch_issued=int(prefetch))
 
     def _queue_fill(self, layer: int, e: int, slot: int, pin: bool) -> bool:
@@ -460,20 +454,12 @@ class ExpertStore:
                     for d, s in zip(dst, src, strict=True):
                         d.copy_(s)
         except BaseException as err:
-            with tier.cond:
-                tier.dir.abort(e)
-                tier.failed[e] = err
-                tier.cond.notify_all()
+            tier.fail(e, err)
             raise
         finally:
             host.unpin(e)
-        with tier.cond:
-            tier.dir.finish(e)
-            if pin:
-                tier.dir.pin(e)
-            tier.slot_mirror[e] = slot
-            self.layers[layer].table_dirty = True
-            tier.cond.notify_all()
+        tier.publish(e, slot, pin)
+        self.layers[layer].table_dirty = True
         self.counters.add(host_hits=1, bytes_to_device=sum(d.numel() for d in dst))
         return True
 

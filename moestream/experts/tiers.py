@@ -95,6 +95,23 @@ class TierLayer:
     def n_slots(self) -> int:
         return self.buffers.n_slots
 
+    def publish(self, e: int, slot: int, pin: bool = False, fresh: bool = False) -> None:
+        """The load of `e` into its claimed `slot` is done (a copy queued on a stream counts:
+        its readers are queued after it): ready, pinned when `pin`, waiters woken."""
+        with self.cond:
+            self.dir.finish(e, fresh=fresh)
+            if pin:
+                self.dir.pin(e)
+            self.slot_mirror[e] = slot
+            self.cond.notify_all()
+
+    def fail(self, e: int, err: BaseException) -> None:
+        """The load of `e` failed: its slot is free again; whoever waited for it gets `err`."""
+        with self.cond:
+            self.dir.abort(e)
+            self.failed[e] = err
+            self.cond.notify_all()
+
 
 def reraise(err: BaseException) -> None:
     """Report, in this thread, a load that failed in another one."""
@@ -184,17 +201,9 @@ class HostTier(TierLayer):
             with torch.inference_mode():
                 n = reader.read_expert(layer, e, self.buffers.raw(slot))
         except BaseException as err:
-            with self.cond:
-                self.dir.abort(e)
-                self.failed[e] = err
-                self.cond.notify_all()
+            self.fail(e, err)
             raise
-        with self.cond:
-            self.dir.finish(e)
-            if pin:
-                self.dir.pin(e)
-            self.slot_mirror[e] = slot
-            self.cond.notify_all()
+        self.publish(e, slot, pin)
         counters.add(host_misses=1, disk_reads=1, bytes_from_disk=n, bytes_to_host=n)
         return slot
 
