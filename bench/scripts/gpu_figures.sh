@@ -1367,6 +1367,25 @@ PY
     synth qwen3-30b-a3b q30
     copy_wait_arms copy_wait 32 3
     ;;
+  s29a)  # next session: the prediction's prefetch gate (held while under half of what it
+    # would load is routed) against always prefetching (PREFETCH_MIN_USE = 0), in turn (on, off,
+    # on, off), 50% from host memory, batch 1 greedy then sampled. Prediction: decode evictions
+    # roughly halve, greedy +5-15%; sampled no worse
+    synth qwen3-30b-a3b q30
+    for t in 0 1.0; do
+      for arm in 0.5 0 0.5 0; do
+        timeout 80 python3 -c "import sys, moestream.experts.store as s
+s.PREFETCH_MIN_USE = $arm
+from moestream.cli import main; sys.exit(main())" bench /tmp/q30.gguf --device cuda \
+          --kv-cache-gib 4 --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+          --prompt-lens 32 --decode-depths 0 --decode-tokens 32 --repeats 2 --temperature $t \
+          --out "/tmp/r/gate_${t}_$arm" > "/tmp/r/gate_${t}_$arm.log" 2>&1
+        echo "t=$t min_use=$arm rc=$? $(grep -A4 '^## decode' "/tmp/r/gate_${t}_$arm.log" | tail -1)"
+        grep "evictions device\|prefetch held" "/tmp/r/gate_${t}_$arm.log" | head -2
+        cat "/tmp/r/gate_${t}_$arm.log" >> "$out/gate_${t}_$arm.log"
+      done
+    done
+    ;;
   s28d)  # (ran at b730a2f; the deferral it compares was removed after this run, 2.4% slower a
     # step: both arms now run the same code) the hook trimmed (all-hit forwards pin in one pass, one counters update, no prefetch
     # work when the prediction is in slots, one policy record) and its bookkeeping deferred to

@@ -42,6 +42,7 @@ _FIELDS = {
     "prefetch_issued": "experts loaded into device slots ahead of use",
     "prefetch_useful": "prefetched experts used before eviction",
     "prefetch_late": "accesses that waited for a prefetch still in flight",
+    "prefetch_held": "predictions not prefetched: too few of such loads were being used",
     "predicted": "predicted experts (next-layer router on the current hidden state)",
     "predicted_correct": "actually routed experts that had been predicted",
     "routed": "routed experts of layers whose routing had been predicted",

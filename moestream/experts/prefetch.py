@@ -5,7 +5,8 @@ brings both in.
 Per MoE layer i, `StreamedMoE` routes once and reads the routing on the host (one sync per
 streamed layer on CUDA, shared with the prediction's), then (1) applies layer i+1's router to
 layer i's FFN input (pre-gating: consecutive layers' hidden states are close, so this predicts
-most of i+1's experts) and prefetches the prediction; (2) loads layer i's routed experts that
+most of i+1's experts) and prefetches the prediction (while such prefetches are being used:
+`ExpertStore.predict`); (2) loads layer i's routed experts that
 are missing (those the host tier holds as copies queued on the compute stream, the others in
 parallel; `ExpertStore.load`), starting the prediction's prefetch once these loads have
 started; (3) runs the layer on that routing (`SparseMoE.forward_routed`). In a

@@ -175,6 +175,8 @@ def test_counters_add_up(source, layout) -> None:
     loads = s["device_misses"] + s["prefetch_issued"]
     assert s["disk_reads"] <= loads  # a late prefetch is one read, counted twice
     assert s["stalls"] > 0 and s["stall_ms_per_token"] > 0
+    # real routing: the predictions' loads are used, never held back
+    assert s["prefetch_held"] == 0 and decode["prefetch_issued"] > 0
     # pre-gating on the trained model predicts far better than chance (k / E = 0.25)
     assert s["prediction_recall"] > 0.6
     names = {name for name, *_ in metric_families(s)}
@@ -308,4 +310,37 @@ def test_a_host_slot_is_not_overwritten_before_its_queued_copy_ran(source, layou
         host.copied_from(slot, Event())
         host.read(2, 7, slot, store.reader, store.counters, pin=False)
         assert waited == [True] and holds(host.buffers.raw(slot), source, 2, 7)
+        store.check()
+
+
+def test_predictions_are_not_prefetched_while_such_loads_go_unused(source, layout, monkeypatch):
+    """A prediction's prefetch is held while few of the experts that predictions name outside
+    the slots are then routed, still measured, and resumes once they are."""
+    import moestream.experts.store as store_module
+
+    monkeypatch.setattr(store_module, "PREFETCH_WINDOW", 16)
+    budgets = ExpertBudgets(3 * per_slot(layout) / GIB, 8 * per_slot(layout) / GIB)
+    pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with build_expert_store(source, source.config, budgets) as store:
+        experts = store.layers[1]
+
+        def forwards(n: int, right: bool) -> tuple[float, float]:
+            """n forwards of layer 1 routed to pairs in turn, each predicted right or not."""
+            before = store.counters["prefetch_issued"], store.counters["prefetch_held"]
+            for i in range(n):
+                routed = pairs[i % 4]
+                store.predict(1, routed if right else pairs[(i + 1) % 4])
+                store.drain()
+                experts.begin([routed], load=routed, pin=True)
+                experts.end()
+            return (store.counters["prefetch_issued"] - before[0],
+                    store.counters["prefetch_held"] - before[1])  # fmt: skip
+
+        issued, held = forwards(16, right=False)
+        assert issued > 0 and held >= 12  # open for the first quarter window, then held
+        assert forwards(4, right=False) == (0, 4)
+        issued, held = forwards(24, right=True)  # measured while held: it reopens
+        assert held > 0 and issued > 0
+        issued, held = forwards(8, right=True)
+        assert held == 0 and issued >= 8
         store.check()
