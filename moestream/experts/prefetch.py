@@ -175,7 +175,7 @@ class LayerExperts:
     ) -> None:
         """A forward of this layer starts with this routing (each token's experts): counts it,
         records it (eviction and promotion policies) and loads `load` (default: the routed
-        experts, as many as the slots hold) in parallel, counting hits, misses and the stall.
+        experts; as many as the slots hold unless `pin`), counting hits, misses and the stall.
         With `pin` (at most n_slots experts) `load` stays pinned until `release()` or `end()`,
         and `expert_slot` maps it: the operands of a fused kernel. `meanwhile` runs once the
         loads have started (`ExpertStore.load`)."""
@@ -194,10 +194,10 @@ class LayerExperts:
             return
         with self.tier.cond:
             self._pending = routed_set
-        if load is None:
-            first = routed[: self.tier.n_slots]
+        if load is None:  # pinned: all of them (they must fit); else as many as fit
+            first = routed if pin else routed[: self.tier.n_slots]
         else:
-            first = routed if load == routed else sorted({int(e) for e in load})
+            first = sorted({int(e) for e in load})
         if pin and len(first) > self.tier.n_slots:
             raise ValueError(f"{len(first)} experts do not fit {self.tier.n_slots} slots")
         store.load(self.layer, first, keep=routed, pin=pin, meanwhile=meanwhile)
@@ -397,12 +397,8 @@ class StreamedMoE:
             if provider.store.cuda:  # the piece's copy of the routing has landed
                 torch.cuda.current_stream(provider.store.device).synchronize()
             token_experts, predict = self._host_rows(rows.tolist())
-            routed = sorted({e for experts in token_experts for e in experts})
-            try:
-                if provider.fully_resident:
-                    provider.begin(token_experts, meanwhile=predict)
-                else:
-                    provider.begin(token_experts, load=routed, pin=True, meanwhile=predict)
+            try:  # every routed expert loaded and pinned (they fit: `graph_tokens`)
+                provider.begin(token_experts, pin=True, meanwhile=predict)
             except BaseException:  # a failed read: the step fails, the layer's state is reset
                 provider.end()
                 raise
@@ -424,7 +420,7 @@ class StreamedMoE:
         routed = {e for experts in token_experts for e in experts}
         if moe_layer.fused_moe_path(x) and not provider.fully_resident:
             if len(routed) <= provider.n_slots:
-                provider.begin(token_experts, load=sorted(routed), pin=True, meanwhile=predict)
+                provider.begin(token_experts, pin=True, meanwhile=predict)
                 paths["fused"] += 1
                 return moe.forward_routed(x, weights, ids, provider.expert_slot)
             groups = None

@@ -155,7 +155,7 @@ class ExpertStore:
         self._prefetch_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="experts-prefetch")
         self._predicted: list[set[int] | None] = [None] * layout.n_layers
         self._predicted_out: list[set[int] | None] = [None] * layout.n_layers  # not in slots
-        self._prefetch_use: dict[str, PrefetchUse] = {}  # per phase
+        self._prefetch_uses: dict[str, PrefetchUse] = {}  # per phase
         self._inflight: list[Future[None]] = []
         self._inflight_lock = threading.Lock()
         self.layers = [LayerExperts(self, i) for i in range(layout.n_layers)]
@@ -253,7 +253,7 @@ class ExpertStore:
         start = time.perf_counter()
         jobs: list[Future[None]] = []
         waits: list[int] = []
-        claims: list[tuple[int, int, Any]] = []
+        claims: list[tuple[int, int]] = []
         loads: list[int] = []
         pinned: list[int] = []
         hits = useful = late = 0
@@ -269,21 +269,22 @@ class ExpertStore:
                     late += 1
                     waits.append(e)
                 else:
-                    claimed = self._claim(layer, tier, e, keep)
+                    claimed = self._claim(layer, tier, e, keep, event=False)
                     if claimed is None:
                         waits.append(e)
                         continue
-                    claims.append((e, *claimed))
+                    claims.append((e, claimed[0]))
         misses = len(experts) - hits
         queued = 0
         try:
-            for e, slot, ev in claims:  # from the host tier: queued here; else the pool's
+            for e, slot in claims:  # from the host tier: queued here; else the pool's
                 if self._queue_fill(layer, e, slot, pin):
                     queued += 1
                     if pin:
                         pinned.append(e)
                     continue
                 loads.append(e)
+                ev = self._queued_work_event()
                 jobs.append(self._demand_pool.submit(self._fill, layer, e, slot, ev, False))
             if meanwhile is not None:
                 meanwhile()
@@ -393,12 +394,19 @@ class ExpertStore:
         tier = self.device_tiers[layer]
         with tier.cond:
             self._predicted_out[layer] = {e for e in want if not tier.dir.is_mapped(e)}
-        use = self._prefetch_use.setdefault(self.counters.phase, PrefetchUse(PREFETCH_WINDOW))
-        if use.pays(PREFETCH_MIN_USE):
+        if self._prefetch_use().pays(PREFETCH_MIN_USE):
             self.counters.add(predicted=len(want))
-            self.prefetch(layer, sorted(want))
+            if self._predicted_out[layer]:  # (else all of it is in slots: nothing to start)
+                self.prefetch(layer, sorted(want))
         else:
             self.counters.add(predicted=len(want), prefetch_held=1)
+
+    def _prefetch_use(self) -> PrefetchUse:
+        """The prefetch gate's measure in the current phase."""
+        phase = self.counters.phase
+        if phase not in self._prefetch_uses:
+            self._prefetch_uses[phase] = PrefetchUse(PREFETCH_WINDOW)
+        return self._prefetch_uses[phase]
 
     def account_prediction(self, layer: int, routed: set[int], **counts: int) -> None:
         """Counts how many of `routed` (a forward's experts of `layer`) had been predicted,
@@ -409,9 +417,7 @@ class ExpertStore:
             self._predicted[layer] = self._predicted_out[layer] = None
             counts.update(predicted_correct=len(routed & predicted), routed=len(routed))
             if out:
-                use = self._prefetch_use.setdefault(self.counters.phase,
-                                                    PrefetchUse(PREFETCH_WINDOW))  # fmt: skip
-                use.add(len(out), len(out & routed))
+                self._prefetch_use().add(len(out), len(out & routed))
         if counts:
             self.counters.add(**counts)
 
@@ -438,10 +444,11 @@ class ExpertStore:
 
     # ---- loading one expert ------------------------------------------------------------------
     def _claim(
-        self, layer: int, tier: TierLayer, e: int, keep: Iterable[int]
+        self, layer: int, tier: TierLayer, e: int, keep: Iterable[int], event: bool = True
     ) -> tuple[int, Any] | None:
         """Under tier.cond: a device slot for `e` (marked loading), and the CUDA event the copy
-        must wait for (the compute work queued before the claim), or None if none is free."""
+        must wait for (`_queued_work_event`; None without `event`: the caller takes one before
+        its copy, or copies on the compute stream), or None if no slot is free."""
         claimed = tier.dir.claim(e, keep)
         if claimed is None:
             return None
@@ -451,14 +458,19 @@ class ExpertStore:
             tier.slot_mirror[evicted] = -1
             self.layers[layer].table_dirty = True
             self.counters.add(evictions_device=1)
-        ev = None
-        if self.cuda:
-            # Every claim, not only evictions: a slot freed by a failed load may still be read
-            # by queued work of the expert evicted before it. Unpinning after enqueueing is safe
-            # because of this event (LayerExperts.acquire).
-            ev = torch.cuda.Event()
-            ev.record(self.compute_stream)
-        return slot, ev
+        return slot, self._queued_work_event() if event else None
+
+    def _queued_work_event(self) -> Any:
+        """On CUDA, an event after the compute work queued so far, which a copy into a claimed
+        slot waits for (recorded at the claim or later: every read of the slot's old expert was
+        queued before the claim). Every claim, not only evictions: a slot freed by a failed load
+        may still be read by queued work of the expert evicted before it. Unpinning after
+        enqueueing is safe because of this event (LayerExperts.acquire)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute_stream)
+        return ev
 
     def _fill(self, layer: int, e: int, slot: int, evict_event: Any, prefetch: bool) -> None:
         """Bring expert `e` into claimed device slot `slot` and publish it."""
