@@ -164,6 +164,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "CUDA graphs stay on",
     )
     e.add_argument(
+        "--expert-paging",
+        action="store_true",
+        help="every expert in pinned host memory (it must fit --host-expert-cache-gib) and as "
+        "many as --gpu-expert-cache-gib holds in device slots; before each decode forward of a "
+        "layer the GPU itself pages the routed experts that are missing into the slots of the "
+        "coldest ones (frequency over recent forwards), so decode steps stay whole CUDA graphs "
+        "with no host work (docs/experts.md)",
+    )
+    e.add_argument(
         "--expert-rebalance-steps",
         type=int,
         default=64,
@@ -195,7 +204,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--expert-prefill-stage",
         action="store_true",
-        help="with --expert-zero-copy: keep one layer's host-placed experts' worth of "
+        help="with --expert-zero-copy or --expert-paging: keep one layer's host-placed "
+        "experts' worth of "
         "--gpu-expert-cache-gib as a stage; a forward of 64 tokens or more (prefill) copies each "
         "layer's host experts there at the link's copy rate and reads them on the device, "
         "instead of reading them across the link once per 32 tokens. Same results; a few "
@@ -408,6 +418,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "expert_cpu_fraction": args.expert_cpu_fraction,
         "expert_cpu_threads": args.expert_cpu_threads,
         "expert_prefill_stage": args.expert_prefill_stage,
+        "expert_paging": args.expert_paging,
         "expert_direct_io": args.expert_direct_io,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,

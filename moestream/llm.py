@@ -26,6 +26,7 @@ from moestream.experts import (
     build_expert_store,
     defer_expert_tensors,
 )
+from moestream.experts.paged import PagedExperts, attach_paged
 from moestream.experts.zero_copy import ZeroCopyExperts, attach_zero_copy, rebalance_all
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.registry import build_model
@@ -129,7 +130,11 @@ class LLM:
     host's cores (`expert_cpu_threads`; `experts.host_compute`) instead of read across the
     host link, and `expert_prefill_stage` keeps one layer's host tier of device memory (out of
     `gpu_expert_cache_gib`) into which forwards of 64 tokens or more copy each layer's host
-    experts before reading them (`experts.zero_copy.ExpertStage`). `expert_direct_io` reads
+    experts before reading them (`experts.zero_copy.ExpertStage`). `expert_paging` (with
+    `gpu_expert_cache_gib`) keeps every expert in pinned host memory and as many as the budget
+    holds in device slots, into which the GPU itself pages each decode forward's routed experts
+    (`experts.paged`: no host work, CUDA graphs stay on); `expert_prefill_stage` applies to it
+    too (a whole layer's experts). `expert_direct_io` reads
     streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
@@ -164,6 +169,7 @@ class LLM:
         expert_cpu_fraction: float = 0.0,
         expert_cpu_threads: int | None = None,
         expert_prefill_stage: bool = False,
+        expert_paging: bool = False,
         expert_direct_io: bool = False,
         weight_cache_gib: float | None = None,
     ):
@@ -197,9 +203,12 @@ class LLM:
             raise RequestError(f"expert_cpu_fraction must be in [0, 1], got {expert_cpu_fraction}")
         if expert_cpu_threads is not None and expert_cpu_threads < 1:
             raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
-        if expert_prefill_stage and not expert_zero_copy:
-            raise RequestError("expert_prefill_stage needs expert_zero_copy")
-        if expert_direct_io and (expert_zero_copy or not budgets.streaming):
+        self.paged: list[PagedExperts] = []
+        if expert_paging and (expert_zero_copy or not budgets.streaming):
+            raise RequestError("expert_paging needs gpu_expert_cache_gib and no expert_zero_copy")
+        if expert_prefill_stage and not (expert_zero_copy or expert_paging):
+            raise RequestError("expert_prefill_stage needs expert_zero_copy or expert_paging")
+        if expert_direct_io and (expert_zero_copy or expert_paging or not budgets.streaming):
             raise RequestError(
                 "expert_direct_io needs streamed experts (gpu_expert_cache_gib, no zero-copy)"
             )
@@ -210,6 +219,14 @@ class LLM:
             self.zero_copy = attach_zero_copy(
                 self.model, float(gpu_expert_cache_gib), host_expert_cache_gib,
                 expert_cpu_fraction, expert_cpu_threads, expert_prefill_stage,
+            )  # fmt: skip
+        elif expert_paging:
+            # Every expert in pinned host memory, the routed ones paged into device slots by
+            # the GPU before each decode forward of a layer.
+            self.model = build_model(defer_expert_tensors(self.source), self.device, act)
+            self.paged = attach_paged(
+                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib,
+                expert_prefill_stage,
             )  # fmt: skip
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.

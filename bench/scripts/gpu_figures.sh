@@ -194,6 +194,15 @@ from moestream.cli import main; sys.exit(main())" bench "$@" --out "/tmp/r/${nam
   cp "/tmp/r/${name}_$arm.log" "$out/${name}_$arm.log"
   cp "/tmp/r/${name}_$arm/result.json" "$out/${name}_$arm.json" 2>/dev/null
 }
+bench_run() {  # bench_run NAME SECONDS ARGS...: one `moestream bench` run, its decode row and
+  # expert counters printed, log and JSON kept
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m moestream.cli bench "$@" --out "/tmp/r/$name" > "/tmp/r/$name.log" 2>&1
+  echo "$name rc=$? $(grep -A4 '^## decode' "/tmp/r/$name.log" | tail -1)"
+  grep -i "hit rate\|read share\|admissions\|link_reads\|^| aggregate\|^| 8 " "/tmp/r/$name.log" | head -6
+  cp "/tmp/r/$name.log" "$out/$name.log"
+  cp "/tmp/r/$name/result.json" "$out/$name.json" 2>/dev/null
+}
 synth() {  # synth LIKE NAME [MIX]: /tmp/NAME.gguf in LIKE's shapes (MIX default Q4_K_M)
   [[ -f /tmp/$2.gguf ]] || python3 -c "from moestream.weights.synth import synth_gguf
 synth_gguf('$1', '${3:-Q4_K_M}', '/tmp/$2.gguf', progress=False)"
@@ -1320,6 +1329,34 @@ PY
     # (prediction: batch 1 4-7 tok/s, under 50%'s 9.0)
     synth qwen3-30b-a3b q30
     disk 4.4 500 8
+    ;;
+  s30a)  # paged experts (the GPU pages routed experts into slots itself; decode steps are
+    # whole graphs): GPU tests, then 50% greedy and temperature 1 beside resident. Prediction:
+    # 50% greedy 200-320 tok/s (resident ~490; streamed 77-81), temperature 1 150-280
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      2>&1 | tail -4
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    bench_run paged50 120 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --expert-paging
+    bench_run paged50_t1 120 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --expert-paging --temperature 1.0
+    bench_run resident 100 "${base[@]}"
+    ;;
+  s30b)  # paged at 25% and 10% (temperature 1), 8 requests at 50%, and streamed 50% greedy
+    # beside it. Prediction: 25% t1 100-200 (streamed 40.6, llama.cpp 55.9); 10% t1 50-120
+    # (llama.cpp 47.2); c8 t1 at 50% 300-600 aggregate (streamed 113)
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    bench_run paged25_t1 120 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24 \
+      --expert-paging --temperature 1.0
+    bench_run paged10_t1 120 "${base[@]}" --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24 \
+      --expert-paging --temperature 1.0
+    bench_run paged50_c8 150 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --expert-paging --temperature 1.0 --concurrency 8 --concurrency-prompt 32
+    bench_run streamed50 100 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24
     ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us

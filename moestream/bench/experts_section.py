@@ -1,7 +1,8 @@
 """The `experts` section of `moestream bench`: the expert store's counters over the whole run
 (hits and misses per tier, bytes moved per tier, prefetch accuracy, stall time), present only
 when experts are streamed (`--gpu-expert-cache-gib`); with `--expert-zero-copy`, the reads
-per tier, the bytes that crossed the host link and the promotions (swaps). It runs after the
+per tier, the bytes that crossed the host link and the promotions (swaps); with
+`--expert-paging`, the reads by where they were served and the experts paged in. It runs after the
 timed sections, so its figures describe exactly the traffic those measurements paid for."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ _RATES = (
     "prefetch_accuracy",
     "prediction_recall",
     "device_read_share",
+    "slot_hit_rate",
 )
 
 
@@ -26,6 +28,13 @@ class ExpertsSection:
     def run(self, ctx: BenchContext) -> dict[str, Any] | None:
         store = getattr(ctx.llm, "expert_store", None)
         zero_copy = getattr(ctx.llm, "zero_copy", None)
+        paged = getattr(ctx.llm, "paged", None)
+        if paged:  # experts paged into slots by the device: reads by where they were served
+            from moestream.experts.paged import paged_snapshot
+
+            budgets = {"device": sum(p.nbytes["device"] for p in paged)}
+            budgets["host"] = sum(p.nbytes["host"] for p in paged)
+            return {"counters": paged_snapshot(paged), "budgets": budgets}
         if zero_copy:  # experts read in place: reads per tier instead of a store's traffic
             from moestream.experts.zero_copy import zero_copy_snapshot
 

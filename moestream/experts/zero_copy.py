@@ -338,7 +338,7 @@ class ZeroCopyExperts:
         return self.templates
 
     # ---- counters ----------------------------------------------------------------------------
-    def count(self, ids: torch.Tensor, staged: bool = False) -> None:
+    def observe(self, ids: torch.Tensor, staged: bool = False) -> None:
         """Add the routed experts' reads (ids [T, k]) to the per-expert device-side counts (two
         small launches, no sync); `staged`: a forward that read the host tier from the stage."""
         flat = ids.reshape(-1)

@@ -206,12 +206,31 @@ class SparseMoE:
     def takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the forward on x [T, H] rounds x to q8 blocks (the fused kernel's integer-dot
         path over the provider's slots): the norm producing x can then do it (`norm.with_q8`)."""
-        if getattr(self.experts, "expert_addr", None) is not None or not fused_moe_path(x):
+        if not fused_moe_path(x) or not self.resident:
             return False
-        if not self.resident:
-            return False
+        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy or paged
+            from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS
+
+            if not getattr(self.experts, "paged", False):
+                return False
+            if x.shape[0] * self.top_k > MMVQ_MAX_ASSIGNMENTS:  # the address path's chunks
+                return False
         gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
         return ops.moe_takes_q8(x, self.top_k, gate, up, down, self.experts.num_experts)
+
+    def _counters(self, x: torch.Tensor, gate: QTensor) -> torch.Tensor | None:
+        """The fused kernel's arrival counters on CUDA, made at the first call (the eager step
+        before any graph capture) and kept."""
+        if x.device.type != "cuda":
+            return None
+        if self._moe_counters is None:
+            from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS
+            from moestream.kernels.moe_mmvq import mmvq_counters
+
+            self._moe_counters = mmvq_counters(
+                MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device, gate.shape[2], self.top_k
+            )
+        return self._moe_counters
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype."""
@@ -235,14 +254,19 @@ class SparseMoE:
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
         resident (the provider's own table; no host sync), else the per-expert path. The fused
         call takes the q8 rounding of x that its norm attached (`norm.q8_of`), if any."""
-        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy placement
-            experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`
+        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy or paged
+            experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`, `.paged...`
             if not fused_moe_path(x):
-                experts.count(ids)
+                experts.observe(ids)
             else:  # long forwards read the host tier from the prefill stage, if there is one
                 addr, staged = experts.addresses(x.shape[0])
-                experts.count(ids, staged)
+                experts.observe(ids, staged)  # paged: routed experts into slots, queued
                 gate, up, down = experts.stacked()
+                if getattr(experts, "paged", False):  # mostly device reads: the decode shape
+                    return ops.moe_forward_addr(
+                        x, ids, weights, gate, up, down, addr, device_shape=True,
+                        xa=q8_of(x), counters=self._counters(x, gate),
+                    )  # fmt: skip
                 work = experts.host_work
                 marks = experts.host_marks if work else None  # the launch shape of host work
                 return ops.moe_forward_addr(
@@ -252,19 +276,9 @@ class SparseMoE:
             expert_slot = self.experts.expert_slot  # type: ignore[attr-defined]
         if expert_slot is not None:
             gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
-            counters = None
-            if x.device.type == "cuda":
-                if self._moe_counters is None:
-                    from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS
-                    from moestream.kernels.moe_mmvq import mmvq_counters
-
-                    self._moe_counters = mmvq_counters(
-                        MMVQ_MAX_ASSIGNMENTS, gate.shape[1], x.device, gate.shape[2], self.top_k
-                    )
-                counters = self._moe_counters
-            return ops.moe_forward(
-                x, ids, weights, gate, up, down, expert_slot, xa=q8_of(x), counters=counters
-            )  # q8_of: the norm's q8 rounding of x, if it made one
+            xa = q8_of(x)  # the norm's q8 rounding of x, if it made one
+            counters = self._counters(x, gate)
+            return ops.moe_forward(x, ids, weights, gate, up, down, expert_slot, xa, counters)
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
         token_of = order // self.top_k  # [T*k] token of each grouped assignment

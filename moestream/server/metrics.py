@@ -39,10 +39,13 @@ _ITL_BUCKETS = (
 
 
 class _EngineCollector:
-    def __init__(self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = ()) -> None:
+    def __init__(
+        self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = (), paged: Any = ()
+    ) -> None:
         self._engine = engine
         self._expert_store = expert_store
         self._zero_copy = list(zero_copy or ())
+        self._paged = list(paged or ())
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.stats
@@ -97,6 +100,12 @@ class _EngineCollector:
 
             snap = zero_copy_snapshot(self._zero_copy)
             for name, doc, kind, value in zero_copy_metric_families(snap):
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=value)
+        if self._paged:  # paged placement: reads by where served, pages moved
+            from moestream.experts.paged import paged_metric_families, paged_snapshot
+
+            for name, doc, kind, value in paged_metric_families(paged_snapshot(self._paged)):
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=value)
 
@@ -161,10 +170,12 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def watch(self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = ()) -> None:
+    def watch(
+        self, engine: AsyncEngine, expert_store: Any = None, zero_copy: Any = (), paged: Any = ()
+    ) -> None:
         """Export the engine's snapshot gauges and counters (and the expert store's, or the
         zero-copy placement's per-layer providers)."""
-        self.registry.register(_EngineCollector(engine, expert_store, zero_copy))
+        self.registry.register(_EngineCollector(engine, expert_store, zero_copy, paged))
 
     # ---- observer hooks (called by AsyncEngine on the event loop) ---------------------------
     def on_output(

@@ -82,8 +82,9 @@ class ServerState:
             observer=self.metrics,
         )
         self.metrics.watch(
-            self.aengine, getattr(llm, "expert_store", None), getattr(llm, "zero_copy", ())
-        )
+            self.aengine, getattr(llm, "expert_store", None), getattr(llm, "zero_copy", ()),
+            getattr(llm, "paged", ()),
+        )  # fmt: skip
         self._token_text = [b.decode("utf-8", errors="replace") for b in self.tokenizer.token_bytes]
 
     @property

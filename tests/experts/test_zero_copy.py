@@ -262,7 +262,7 @@ def test_prefill_stage_holds_the_host_tier_and_follows_promotions() -> None:
     assert p.rebalance() == 1  # 4 replaces 0 on the device
     addr, _ = p.addresses(zc.STAGE_MIN_TOKENS)  # the stage refilled: 0 now in a host slot
     check_stage()
-    p.count(torch.tensor([[4, 0]]), staged=True)
+    p.observe(torch.tensor([[4, 0]]), staged=True)
     assert p.read_counts() == {"device": 1, "host": 40, "cpu": 0, "stage": 1}
     snap = zc.zero_copy_snapshot([p])
     assert snap["stage_reads"] == 1 and snap["stage_copies"] == 2
