@@ -165,12 +165,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     e.add_argument(
         "--expert-paging",
-        action="store_true",
-        help="every expert in pinned host memory (it must fit --host-expert-cache-gib) and as "
-        "many as --gpu-expert-cache-gib holds in device slots; before each decode forward of a "
-        "layer the GPU itself pages the routed experts that are missing into the slots of the "
-        "coldest ones (frequency over recent forwards), so decode steps stay whole CUDA graphs "
-        "with no host work (docs/experts.md)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="paged experts: every expert in pinned host memory (it must fit "
+        "--host-expert-cache-gib) and as many as --gpu-expert-cache-gib holds in device slots; "
+        "before each decode forward of a layer the GPU itself pages the routed experts that are "
+        "missing into the slots of the coldest ones (frequency over recent forwards), so decode "
+        "steps stay whole CUDA graphs with no host work. auto (default): on CUDA wherever the "
+        "budgets allow it (`moestream info MODEL --gpu-expert-cache-gib G "
+        "--host-expert-cache-gib H` says), else streamed; off: always streamed (docs/experts.md)",
     )
     e.add_argument(
         "--expert-rebalance-steps",
@@ -418,7 +421,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "expert_cpu_fraction": args.expert_cpu_fraction,
         "expert_cpu_threads": args.expert_cpu_threads,
         "expert_prefill_stage": args.expert_prefill_stage,
-        "expert_paging": args.expert_paging,
+        "expert_paging": {"auto": None, "on": True, "off": False}[args.expert_paging],
         "expert_direct_io": args.expert_direct_io,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,

@@ -25,6 +25,7 @@ from moestream.experts import (
     attach_expert_store,
     build_expert_store,
     defer_expert_tensors,
+    paging_allowed,
 )
 from moestream.experts.paged import PagedExperts, attach_paged
 from moestream.experts.zero_copy import ZeroCopyExperts, attach_zero_copy, rebalance_all
@@ -134,7 +135,9 @@ class LLM:
     `gpu_expert_cache_gib`) keeps every expert in pinned host memory and as many as the budget
     holds in device slots, into which the GPU itself pages each decode forward's routed experts
     (`experts.paged`: no host work, CUDA graphs stay on); `expert_prefill_stage` applies to it
-    too (a whole layer's experts). `expert_direct_io` reads
+    too (a whole layer's experts). None (the default) pages on CUDA wherever the budgets allow
+    (the host budget holds every expert, the device budget a slot a layer, kernel-path types)
+    and streams otherwise; False always streams. `expert_direct_io` reads
     streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
@@ -169,7 +172,7 @@ class LLM:
         expert_cpu_fraction: float = 0.0,
         expert_cpu_threads: int | None = None,
         expert_prefill_stage: bool = False,
-        expert_paging: bool = False,
+        expert_paging: bool | None = None,
         expert_direct_io: bool = False,
         weight_cache_gib: float | None = None,
     ):
@@ -204,8 +207,17 @@ class LLM:
         if expert_cpu_threads is not None and expert_cpu_threads < 1:
             raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
         self.paged: list[PagedExperts] = []
-        if expert_paging and (expert_zero_copy or not budgets.streaming):
-            raise RequestError("expert_paging needs gpu_expert_cache_gib and no expert_zero_copy")
+        if expert_paging and (expert_zero_copy or expert_direct_io or not budgets.streaming):
+            raise RequestError(
+                "expert_paging needs gpu_expert_cache_gib, and neither expert_zero_copy nor "
+                "expert_direct_io"
+            )
+        if expert_paging is None:  # auto: paged on CUDA wherever the budgets allow it
+            auto = self.device.type == "cuda" and budgets.streaming
+            auto = auto and not (expert_zero_copy or expert_direct_io)
+            expert_paging = auto and paging_allowed(
+                self.source, self.config, budgets, expert_prefill_stage, cuda=True
+            )
         if expert_prefill_stage and not (expert_zero_copy or expert_paging):
             raise RequestError("expert_prefill_stage needs expert_zero_copy or expert_paging")
         if expert_direct_io and (expert_zero_copy or expert_paging or not budgets.streaming):
@@ -255,6 +267,8 @@ class LLM:
         )
         if self.expert_store is not None:  # its counters by phase (prefill, decode)
             self.engine.runner.before_forward.append(self.expert_store.counters.enter_step)
+        if self.paged:  # paged experts' counters by phase
+            self.engine.runner.before_forward.append(self.paged[0].phase.enter_step)
         if self.zero_copy and expert_rebalance_steps:
             self.engine.every(expert_rebalance_steps, self.rebalance_experts)
         host_work = next((p.host_work for p in self.zero_copy if p.host_work), None)

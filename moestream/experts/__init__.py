@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moestream.config import ModelConfig
-from moestream.errors import UnsupportedError
+from moestream.errors import CapacityError, UnsupportedError
 from moestream.experts.counters import ExpertCounters, metric_families
 from moestream.experts.disk import ExpertFileReader, ExpertReadError
 from moestream.experts.placement import (
@@ -59,6 +59,8 @@ __all__ = [
     "load_streamed_model",
     "make_policy",
     "metric_families",
+    "paging_allowed",
+    "paging_plan",
     "placement_summary",
     "plan_placement",
     "simulate",
@@ -185,6 +187,42 @@ def load_streamed_model(
     return model, store
 
 
+def paging_plan(
+    source: Any,
+    config: ModelConfig,
+    budgets: ExpertBudgets,
+    prefill_stage: bool = False,
+    cuda: bool = True,
+) -> tuple[int | None, str | None]:
+    """(device slots per layer, None) when paged placement (`experts.paged`) can run these
+    budgets on the file of `source`, else (None, why not); reads no weights."""
+    from moestream.experts.paged import plan_paging
+
+    if budgets.gpu_expert_cache_gib is None:
+        return None, "every expert is resident"
+    try:
+        layout = _layout_of(source, config)
+        kinds = [[(t.qtype, t.expert_bytes) for t in layer] for layer in layout.layers]
+        slots = plan_paging(
+            kinds, layout.n_experts, budgets.gpu_expert_cache_gib,
+            budgets.host_expert_cache_gib, prefill_stage, cuda,
+        )  # fmt: skip
+    except (CapacityError, UnsupportedError) as e:
+        return None, str(e)
+    return slots, None
+
+
+def paging_allowed(
+    source: Any,
+    config: ModelConfig,
+    budgets: ExpertBudgets,
+    prefill_stage: bool = False,
+    cuda: bool = True,
+) -> bool:
+    """Whether paged placement can run these budgets (`paging_plan`)."""
+    return paging_plan(source, config, budgets, prefill_stage, cuda)[0] is not None
+
+
 def describe_placement(
     path: str | Path,
     budgets: ExpertBudgets,
@@ -206,4 +244,6 @@ def describe_placement(
     # every layer holding top_k); None: no layer streams (whole graphs at every bucket).
     streamed = [d // layout.top_k for d in placement.device_slots if d < layout.n_experts]
     summary["graph_batch"] = max(buckets_up_to(BUCKETS, min(streamed))) if streamed else None
+    # On CUDA the default is paged placement where these budgets allow it (`LLM`)
+    summary["paged_slots"], summary["paged_refused"] = paging_plan(source, source.config, budgets)
     return summary

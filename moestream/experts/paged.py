@@ -31,14 +31,20 @@ Letters: E experts, S device slots per layer.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from moestream.errors import CapacityError, UnsupportedError
+from moestream.experts.counters import phase_of
 from moestream.experts.zero_copy import ExpertStage
 from moestream.kernels.expert_pager import PAGER_MAX_EXPERTS, STATS, page, page_ref
 from moestream.weights.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from moestream.types import StepPlan
 
 # Forwards of up to this many tokens page (decode batches: the fused kernel's integer-dot path
 # takes 32 tokens of 8 experts in one launch); longer ones read in place.
@@ -46,6 +52,21 @@ PAGE_MAX_TOKENS = 32
 # Forwards after which an expert's heat halves: routing reuse is cyclic over a few hundred tokens
 # (the streamed store's window policy counts the last 256 tokens).
 HEAT_HALF_LIFE = 128
+
+
+PHASES = ("prefill", "decode")
+
+
+class PhaseRow:
+    """Which row of the layers' counters a forward adds to, by the phase of its step
+    (`counters.phase_of`; the engine calls `enter_step` before each forward). A CUDA graph
+    keeps the row of the step it was captured in: decode graphs count as decode."""
+
+    def __init__(self) -> None:
+        self.row = PHASES.index("decode")
+
+    def enter_step(self, plan: StepPlan) -> None:
+        self.row = PHASES.index(phase_of(plan))
 
 
 class PagedExperts:
@@ -57,7 +78,13 @@ class PagedExperts:
     host_work = None
     host_marks = None
 
-    def __init__(self, stacks: Sequence[QTensor], n_slots: int, device: torch.device | str):
+    def __init__(
+        self,
+        stacks: Sequence[QTensor],
+        n_slots: int,
+        device: torch.device | str,
+        phase: PhaseRow | None = None,
+    ):
         gate, up, down = stacks  # [E, F, H], [E, F, H], [E, H, F] (host, file layout)
         e = gate.shape[0]
         if not 1 <= n_slots <= e:
@@ -96,7 +123,8 @@ class PagedExperts:
         self.slot_of[:n_slots] = torch.arange(n_slots, dtype=torch.int32)
         self.owner = torch.arange(n_slots, dtype=torch.int32, device=ptr)  # [S] expert or -1
         self.heat = torch.zeros(e, dtype=torch.float32, device=ptr)
-        self.stats = torch.zeros(len(STATS), dtype=torch.int64, device=ptr)
+        self.stats = torch.zeros(len(PHASES), len(STATS), dtype=torch.int64, device=ptr)
+        self.phase = phase or PhaseRow()
         self._copies = torch.zeros(1 + 2 * n_slots, dtype=torch.int32, device=ptr)  # scratch
         self.decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
         # Types, shapes and row strides for the kernel: one slot of each stack.
@@ -131,14 +159,15 @@ class PagedExperts:
         """Page for a forward routed to ids [T, k] (module docstring), queued on the current
         stream; forwards of more than `PAGE_MAX_TOKENS` tokens only count their reads."""
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
+        stats = self.stats[self.phase.row]
         if self.device.type == "cuda":
             page(
                 ids, self.heat, self.slot_of, self.owner, self.expert_addr, self.host_addr,
-                self.slot_addr, self._copies, self.stats, self._words, self.decay, admit, staged,
+                self.slot_addr, self._copies, stats, self._words, self.decay, admit, staged,
             )  # fmt: skip
             return
-        for e, s in page_ref(ids, self.heat, self.slot_of, self.owner, self.stats, self.decay,
-                             admit, staged):  # fmt: skip
+        for e, s in page_ref(ids, self.heat, self.slot_of, self.owner, stats, self.decay, admit,
+                             staged):  # fmt: skip
             for k in range(3):
                 self._dev[k].data[s].copy_(self._host[k].data[e])
         held = self.owner[self.owner >= 0].long()
@@ -178,23 +207,39 @@ class PagedExperts:
         }
 
 
-def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, float | int]:
+def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
     """Reads by where they were served over all layers so far (one device sync): from slots that
     held the expert, from slots it was admitted to for that forward, across the host link, from
     the prefill stage; admissions and the bytes they copied; the share of reads served by the
-    device and the share of routed experts found already in slots (the hit rate)."""
+    device and the share of routed experts found already in slots (the hit rate); the same per
+    phase under "phases"."""
     if not providers:
         return {}
-    rows = torch.stack([p.stats for p in providers]).sum(0).tolist()
-    c = dict(zip(STATS, rows, strict=True))
-    per = providers[0].expert_bytes
+    stats = torch.stack([p.stats for p in providers])  # [layer, phase, counter]
+    per = torch.tensor([p.expert_bytes for p in providers], dtype=torch.int64)
+    # bytes per phase: each layer's admissions and link reads at its own expert size
+    moved = (stats[:, :, [3, 2]].cpu() * per[:, None, None]).sum(0).tolist()  # [phase][2]
+    rows = stats.sum(0).tolist()  # [phase][counter]
+    phases = {
+        ph: _rates(dict(zip(STATS, r, strict=True)), *m)
+        for ph, r, m in zip(PHASES, rows, moved, strict=True)
+    }
+    total = {k: sum(phases[ph][k] for ph in PHASES) for k in (*STATS, "admitted_bytes")}
+    total["link_bytes"] = sum(phases[ph]["link_bytes"] for ph in PHASES)
+    out: dict[str, Any] = _rates(total, total["admitted_bytes"], 0)
+    out["link_bytes"] = total["link_bytes"]
+    out["phases"] = phases
+    return out
+
+
+def _rates(c: dict[str, int], admitted_bytes: int, link_read_bytes: int) -> dict[str, Any]:
     device = c["slot_reads"] + c["admitted_reads"] + c["stage_reads"]
     total = device + c["link_reads"]
     hit_base = c["slot_reads"] + c["admitted_reads"] + c["link_reads"]
     return {
-        **c,
-        "admitted_bytes": c["admissions"] * per,
-        "link_bytes": c["link_reads"] * per + c["admissions"] * per,
+        **{k: c[k] for k in STATS},
+        "admitted_bytes": admitted_bytes,
+        "link_bytes": admitted_bytes + link_read_bytes,  # the copies and the reads across
         "device_read_share": device / total if total else 0.0,
         "slot_hit_rate": c["slot_reads"] / hit_base if hit_base else 0.0,
     }
@@ -222,6 +267,51 @@ def paged_metric_families(
         yield f"moestream_expert_paged_{name}", doc, "gauge", float(snapshot[name])
 
 
+def plan_paging(
+    kinds: Sequence[Sequence[tuple[GGMLQuantizationType, int]]],
+    n_experts: int,
+    gpu_expert_cache_gib: float,
+    host_expert_cache_gib: float | None,
+    prefill_stage: bool = False,
+    cuda: bool = True,
+) -> int:
+    """Device slots per layer that paged placement gives, from each MoE layer's (type, bytes of
+    one expert) of gate, up and down (`kinds`). Raises CapacityError when the device budget holds
+    no slot a layer (with the prefill stage, one layer's experts first) or the host budget (when
+    given) not every expert; UnsupportedError when the layers cannot be paged."""
+    if n_experts > PAGER_MAX_EXPERTS:
+        raise UnsupportedError(
+            f"paged experts handle up to {PAGER_MAX_EXPERTS} experts a layer, not {n_experts}"
+        )
+    if any(n % 16 for layer in kinds for _, n in layer):
+        raise UnsupportedError("expert byte sizes are not multiples of 16: no paging")
+    if cuda:
+        from moestream.kernels.ops import MMVQ_QTYPES
+
+        if not all(q in MMVQ_QTYPES for layer in kinds for q, _ in layer):
+            raise UnsupportedError(
+                "paged experts on CUDA need the integer-dot MoE kernel's types "
+                "(Q4_K, Q5_K, Q6_K, Q8_0)"
+            )
+    slot = sum(n for layer in kinds for _, n in layer)  # one expert of every layer
+    stage = n_experts * max(sum(n for _, n in layer) for layer in kinds)
+    budget = int(gpu_expert_cache_gib * 2**30) - (stage if prefill_stage else 0)
+    n_slots = min(n_experts, max(0, budget) // slot)
+    if n_slots < 1:
+        need = slot + (stage if prefill_stage else 0)
+        raise CapacityError(
+            f"paged experts need at least one device slot a layer: --gpu-expert-cache-gib "
+            f"{need / 2**30:.3f} or more (got {gpu_expert_cache_gib:g})"
+        )
+    host = n_experts * slot
+    if host_expert_cache_gib is not None and host > host_expert_cache_gib * 2**30:
+        raise CapacityError(
+            f"paged placement keeps every expert in pinned host memory ({host / 2**30:.2f} "
+            f"GiB), more than --host-expert-cache-gib {host_expert_cache_gib:g}"
+        )
+    return n_slots
+
+
 def attach_paged(
     model: object,
     gpu_expert_cache_gib: float,
@@ -229,45 +319,24 @@ def attach_paged(
     prefill_stage: bool = False,
 ) -> list[PagedExperts]:
     """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
-    stacks are host views of the file) by `PagedExperts` with as many device slots per layer as
-    `gpu_expert_cache_gib` holds (less one layer's experts for the prefill stage, if asked).
-    All experts go to pinned host memory, which must fit `host_expert_cache_gib` when given."""
+    stacks are host views of the file) by `PagedExperts` with the device slots per layer of
+    `plan_paging` (nothing is replaced when it raises). All experts go to pinned host memory."""
     moes = list(model.moe_layers())  # type: ignore[attr-defined]
     if not moes:
         raise UnsupportedError("paged expert placement applies to MoE models only")
     stacks = [m.experts.stacked() for m in moes]
-    per_expert = sum(w.data[0].numel() for w in stacks[0])
-    e = stacks[0][0].shape[0]
-    budget = int(gpu_expert_cache_gib * 2**30)
-    stage_bytes = e * max(sum(w.data[0].numel() for w in st) for st in stacks)
-    if prefill_stage:
-        budget -= stage_bytes
-    n_slots = min(e, max(0, budget) // (per_expert * len(moes)))
-    if n_slots < 1:
-        need = per_expert * len(moes) + (stage_bytes if prefill_stage else 0)
-        raise CapacityError(
-            f"paged experts need at least one device slot a layer: --gpu-expert-cache-gib "
-            f"{need / 2**30:.3f} or more (got {gpu_expert_cache_gib:g})"
-        )
-    host_bytes = e * per_expert * len(moes)
-    if host_expert_cache_gib is not None and host_bytes > host_expert_cache_gib * 2**30:
-        raise CapacityError(
-            f"paged placement keeps every expert in pinned host memory ({host_bytes / 2**30:.2f} "
-            f"GiB), more than --host-expert-cache-gib {host_expert_cache_gib:g}"
-        )
+    kinds = [[(w.qtype, w.data[0].numel()) for w in st] for st in stacks]
     device = torch.device(model.device)  # type: ignore[attr-defined]
-    if device.type == "cuda":
-        from moestream.kernels.ops import MMVQ_QTYPES
-
-        if not all(w.qtype in MMVQ_QTYPES for st in stacks for w in st):
-            raise UnsupportedError(
-                "paged experts on CUDA need the integer-dot MoE kernel's types "
-                "(Q4_K, Q5_K, Q6_K, Q8_0)"
-            )
+    e = stacks[0][0].shape[0]
+    n_slots = plan_paging(
+        kinds, e, gpu_expert_cache_gib, host_expert_cache_gib, prefill_stage,
+        device.type == "cuda",
+    )  # fmt: skip
     providers = []
+    phase = PhaseRow()  # shared: one hook sets every layer's counters row
     for moe, st in zip(moes, tqdm(stacks, desc="experts to pinned memory", unit="layer",
                                    disable=None)):  # fmt: skip
-        provider = PagedExperts(st, n_slots, device)
+        provider = PagedExperts(st, n_slots, device, phase)
         moe.experts = provider
         providers.append(provider)
     if prefill_stage and n_slots < e:

@@ -287,6 +287,14 @@ def format_placement(summary: dict[str, Any]) -> str:
                 "experts fit the slots), eager beyond"
             )
         ]
+    if s.get("paged_slots") is not None:
+        graphs.append(
+            f"{'on CUDA':16} paged (the default there): every expert in pinned host memory, "
+            f"{s['paged_slots']} device slots a layer paged by the GPU, whole CUDA graphs; "
+            "the lines above are the streamed placement (--expert-paging off)"
+        )
+    elif s.get("paged_refused"):
+        graphs.append(f"{'on CUDA':16} streamed as above; not paged: {s['paged_refused']}")
     return "\n".join(
         [
             f"{'expert weights':16} {_mib(total)} ({s['n_layers']} layers x {n} experts)",

@@ -78,7 +78,7 @@ def test_host_computed_experts_keep_the_bits_of_every_expert_on_the_device() -> 
         assert layer.host_marked.tolist() == [1, 0, 1, 0]
         after = hybrid(layer, x, ids, weights)
         assert compute.counters["assignments"] == 2 + 2  # ids 0, 2
-        layer.count(ids)
+        layer.observe(ids)
         assert layer.read_counts() == {"device": 1, "host": 1, "cpu": 2, "stage": 0}
         layer.set_cpu_slots(3)  # every host slot the host's (experts 0, 2, 3); fewer threads
         compute.set_threads(1)

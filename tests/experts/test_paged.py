@@ -32,7 +32,9 @@ def _state(e: int, s: int, seed: int) -> dict[str, torch.Tensor]:
     return {"heat": heat, "slot_of": slot_of, "owner": owner, "stats": torch.zeros(5).long()}
 
 
-@pytest.mark.parametrize("e, s, tokens, k", [(16, 6, 1, 4), (16, 5, 4, 4), (40, 24, 3, 8)])
+@pytest.mark.parametrize(
+    "e, s, tokens, k", [(16, 6, 1, 4), (16, 5, 4, 4), (40, 24, 3, 8), (8, 1, 1, 2)]
+)
 def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int) -> None:
     pytest.importorskip("triton", reason="triton is not installed")
     from moestream.kernels.expert_pager import page, page_ref
@@ -106,8 +108,7 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[tuple[list[int], list[
 
 
 def _layer_gib(llm: LLM) -> float:
-    p = llm.paged[0]
-    return p.expert_bytes * len(llm.paged) / 2**30  # one slot in every layer
+    return sum(p.expert_bytes for p in llm.paged) / 2**30  # one slot in every layer
 
 
 @pytest.mark.parametrize("slots", [1, 5, 8])
@@ -125,10 +126,14 @@ def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
     # every layer read each forwarded token's k experts once (the last token is not forwarded)
     top_k = llm.model.moe_layers()[0].top_k
     tokens = sum(len(llm._encode(p)) + GREEDY.max_tokens - 1 for p in PROMPTS)
-    per_layer = {int(p.stats[[0, 1, 2, 4]].sum()) for p in llm.paged}
+    per_layer = {int(p.stats[:, [0, 1, 2, 4]].sum()) for p in llm.paged}
     assert per_layer == {tokens * top_k}
     c = paged_snapshot(llm.paged)
-    assert c["admitted_bytes"] == c["admissions"] * llm.paged[0].expert_bytes
+    assert c["admitted_bytes"] == sum(int(p.stats[:, 3].sum()) * p.expert_bytes for p in llm.paged)
+    phases = c["phases"]  # prompts in prefill steps, each later token in a decode step
+    decode_reads = sum(phases["decode"][k] for k in ("slot_reads", "admitted_reads", "link_reads"))
+    assert decode_reads == len(llm.paged) * top_k * len(PROMPTS) * (GREEDY.max_tokens - 1)
+    assert all(c[k] == sum(phases[p][k] for p in phases) for k in ("slot_reads", "admissions"))
     if slots == llm.paged[0].num_experts:  # all resident from the start
         assert c["admissions"] == c["link_reads"] == 0 and c["slot_hit_rate"] == 1.0
     else:
@@ -154,11 +159,12 @@ def test_budgets_are_enforced() -> None:
 def test_paging_on_the_gpu_keeps_the_tokens() -> None:
     """On a GPU, decode steps captured as CUDA graphs with the pager and copy kernels inside
     (run-ahead on): the greedy tokens equal the resident model's at one slot a layer (most
-    experts read across the link) and at half of them (most paged)."""
+    experts read across the link) and at half of them (most paged). One request at a time:
+    three decoding together can keep a single slot's expert routed at every step."""
     text = (DEMO_MODEL.parent / "heldout-python.txt").read_text()
     prompts = [text[i : i + 300] for i in (0, 5000, 26000)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    resident = LLM(DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5)
+    resident = LLM(DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5, max_num_seqs=1)
     want = [o.token_ids for o in resident.generate(prompts, params)]
     del resident
     one = None
@@ -173,7 +179,7 @@ def test_paging_on_the_gpu_keeps_the_tokens() -> None:
         llm = LLM(
             DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5,
             gpu_expert_cache_gib=slots * one + 1e-9, host_expert_cache_gib=1.0,
-            expert_paging=True,
+            expert_paging=True, max_num_seqs=1,
         )  # fmt: skip
         assert [o.token_ids for o in llm.generate(prompts, params)] == want, slots
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
