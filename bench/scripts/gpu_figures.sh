@@ -1358,6 +1358,22 @@ PY
       --expert-paging --temperature 1.0 --concurrency 8 --concurrency-prompt 32
     bench_run streamed50 100 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24
     ;;
+  s30c)  # paged experts: the GPU test again (one request at a time), the pager's own cost
+    # (bench/paging.py), then 25% greedy, 50% and 25% temperature 1 with counters by phase,
+    # and streamed 25% temperature 1 beside. Prediction: 0 missing 4-6 us a forward, copies
+    # 35-45 GB/s; 25% greedy 230-280 tok/s
+    timeout 100 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k gpu 2>&1 | tail -3
+    timeout 90 python3 bench/paging.py 2>&1 | tee "$out/paging.md" | tail -30
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    bench_run paged25 120 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24
+    bench_run paged50_t1b 120 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --temperature 1.0
+    bench_run streamed25_t1 100 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24 \
+      --expert-paging off --temperature 1.0
+    ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
     # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,

@@ -1,0 +1,122 @@
+"""The device pager's own cost (`kernels.expert_pager.page`) at a real layer's shapes: the pager
+and copy kernels for a forward whose routed experts are all in slots (what every layer of a
+decode step pays), and for forwards with 1, 2, 4 and 8 of them missing (each then copied from
+pinned host memory), over launch shapes of the copy kernel; GB/s of the copies against a DMA of
+the same bytes.
+
+    python bench/paging.py [--experts 128] [--slots 64] [--ffn 768] [--hidden 2048]
+                           [--shapes 1x4,2x4,4x4,8x4,4x8] [--repeats 20]
+
+The weights are random bytes at Q4_K gate/up and Q6_K down sizes (the synth qwen3-30b-a3b
+Q4_K_M layer by default). Medians over `--repeats` CUDA-graph replays of 8 forwards each (a
+graph, as decode runs them; the host's launch cost is not in the figure), less the same graph
+of only the four small copies that put the placement back after each forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+from moestream.kernels import expert_pager
+from moestream.kernels.expert_pager import page
+
+
+def _layer(experts: int, slots: int, ffn: int, hidden: int):
+    """Pinned host stacks and device slots of one layer: bytes per expert of each weight."""
+    q4k = ffn * hidden // 256 * 144  # gate and up
+    q6k = hidden * ffn // 256 * 210  # down
+    sizes = (q4k, q4k, q6k + (-q6k) % 16)
+    host = [torch.randint(-(2**31), 2**31 - 1, (experts, n // 4), dtype=torch.int32).pin_memory()
+            for n in sizes]  # fmt: skip
+    dev = [torch.empty(slots, n // 4, dtype=torch.int32, device="cuda") for n in sizes]
+    return host, dev, sizes
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--shapes", default="1x4,2x4,4x4,8x4,4x8", help="programs per SM x warps")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("paging: needs a CUDA device", file=sys.stderr)
+        return 2
+    e, s = args.experts, args.slots
+    host, dev, sizes = _layer(e, s, args.ffn, args.hidden)
+    host_addr = torch.tensor([[h[i].data_ptr() for i in range(e)] for h in host]).cuda()
+    slot_addr = torch.tensor([[d[i].data_ptr() for i in range(s)] for d in dev]).cuda()
+    words = tuple(n // 4 for n in sizes)
+    expert_mib = sum(sizes) / 2**20
+    dma_src = torch.cat([h[:8].flatten() for h in host])
+    dma_dst = torch.empty_like(dma_src, device="cuda")
+    print(f"{torch.cuda.get_device_name()}; E {e}, S {s}, {expert_mib:.2f} MiB an expert")
+
+    def timed(fn, n_forwards: int) -> float:
+        """Median us per forward of `fn` (8 forwards a graph replay)."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n_forwards):
+                fn()
+        times = []
+        for _ in range(args.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / n_forwards)
+        return statistics.median(times)
+
+    dma = timed(lambda: dma_dst.copy_(dma_src, non_blocking=True), 1)
+    print(f"DMA of 8 experts: {dma:.1f} us, {dma_src.numel() * 4 / dma / 1e3:.1f} GB/s")
+    print("| copy shape | missing | us a forward | GB/s of copies |")
+    print("|---|---|---|---|")
+    for shape in args.shapes.split(","):
+        per_sm, warps = (int(x) for x in shape.split("x"))
+        expert_pager.COPY_PROGRAMS_PER_SM, expert_pager.COPY_WARPS = per_sm, warps
+        expert_pager._copy_grid.cache_clear()
+        for missing in (0, 1, 2, 4, 8):
+            # slots hold experts 0..s-1; each forward routes 8 experts of which `missing` are
+            # outside the slots, and the next forward puts the placement back (the state is
+            # restored by a copy inside the graph, so every replay pages the same way)
+            slot_of = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+            slot_of[:s] = torch.arange(s, dtype=torch.int32, device="cuda")
+            owner = torch.arange(s, dtype=torch.int32, device="cuda")
+            heat = torch.zeros(e, device="cuda")
+            heat[:s] = 100.0  # slots hotter than the missing ones, but slot s-1.. coldest
+            heat[s - 8 : s] = 0.0
+            addr = host_addr.clone()
+            addr[:, :s] = slot_addr
+            saved = [t.clone() for t in (slot_of, owner, heat, addr)]
+            ids = torch.tensor([[*range(8 - missing), *range(s, s + missing)]], device="cuda")
+            copies = torch.zeros(1 + 2 * s, dtype=torch.int32, device="cuda")
+            stats = torch.zeros(5, dtype=torch.int64, device="cuda")
+
+            def forward(ids=ids, slot_of=slot_of, owner=owner, heat=heat, addr=addr,
+                        saved=saved, copies=copies, stats=stats):  # fmt: skip
+                page(ids, heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
+                     words, 0.99)  # fmt: skip
+                for t, v in zip((slot_of, owner, heat, addr), saved, strict=True):
+                    t.copy_(v)
+
+            def restore(slot_of=slot_of, owner=owner, heat=heat, addr=addr, saved=saved):
+                for t, v in zip((slot_of, owner, heat, addr), saved, strict=True):
+                    t.copy_(v)
+
+            us = timed(forward, 8) - timed(restore, 8)  # the pager's part of a forward
+            rate = missing * sum(sizes) / us / 1e3 if missing else 0.0
+            print(f"| {per_sm}/SM x {warps} warps | {missing} | {us:.1f} | {rate:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
