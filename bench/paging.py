@@ -54,7 +54,7 @@ def main() -> int:
     slot_addr = torch.tensor([[d[i].data_ptr() for i in range(s)] for d in dev]).cuda()
     words = tuple(n // 4 for n in sizes)
     expert_mib = sum(sizes) / 2**20
-    dma_src = torch.cat([h[:8].flatten() for h in host])
+    dma_src = torch.cat([h[:8].flatten() for h in host]).pin_memory()
     dma_dst = torch.empty_like(dma_src, device="cuda")
     print(f"{torch.cuda.get_device_name()}; E {e}, S {s}, {expert_mib:.2f} MiB an expert")
 

@@ -159,7 +159,10 @@ class PagedExperts:
         """Page for a forward routed to ids [T, k] (module docstring), queued on the current
         stream; forwards of more than `PAGE_MAX_TOKENS` tokens only count their reads."""
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
-        stats = self.stats[self.phase.row]
+        # CUDA graphs run decode and verify steps only (a warm-up may capture them after a
+        # prompt's eager step: the phase must not come from the step before)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        stats = self.stats[PHASES.index("decode") if capturing else self.phase.row]
         if self.device.type == "cuda":
             page(
                 ids, self.heat, self.slot_of, self.owner, self.expert_addr, self.host_addr,
