@@ -22,7 +22,7 @@ import sys
 import torch
 
 from moestream.kernels import expert_pager
-from moestream.kernels.expert_pager import page
+from moestream.kernels.expert_pager import gather, page
 
 
 def _layer(experts: int, slots: int, ffn: int, hidden: int):
@@ -99,7 +99,7 @@ def main() -> int:
             saved = [t.clone() for t in (slot_of, owner, heat, addr)]
             ids = torch.tensor([[*range(8 - missing), *range(s, s + missing)]], device="cuda")
             copies = torch.zeros(1 + 2 * s, dtype=torch.int32, device="cuda")
-            stats = torch.zeros(5, dtype=torch.int64, device="cuda")
+            stats = torch.zeros(4, dtype=torch.int64, device="cuda")
 
             def forward(ids=ids, slot_of=slot_of, owner=owner, heat=heat, addr=addr,
                         saved=saved, copies=copies, stats=stats):  # fmt: skip
@@ -115,6 +115,25 @@ def main() -> int:
             us = timed(forward, 8) - timed(restore, 8)  # the pager's part of a forward
             rate = missing * sum(sizes) / us / 1e3 if missing else 0.0
             print(f"| {per_sm}/SM x {warps} warps | {missing} | {us:.1f} | {rate:.1f} |")
+    # the gather of forwards beyond the slots: n routed experts, half of them in slots
+    expert_pager.COPY_PROGRAMS_PER_SM, expert_pager.COPY_WARPS = 4, 4
+    expert_pager._copy_grid.cache_clear()
+    stage = [torch.empty(e, n // 4, dtype=torch.int32, device="cuda") for n in sizes]
+    stage_addr = torch.tensor([[t[i].data_ptr() for i in range(e)] for t in stage]).cuda()
+    addr = host_addr.clone()
+    addr[:, : s // 2] = slot_addr[:, : s // 2]  # experts 0.. s/2-1 in slots
+    stage_slot = torch.zeros(e, dtype=torch.int32, device="cuda")
+    copies = torch.zeros(1 + 2 * e, dtype=torch.int32, device="cuda")
+    print("\n| gather: routed experts (half in slots) | us a forward | GB/s |\n|---|---|---|")
+    for n in (8, 32, 64):
+        half = n // 2
+        ids = torch.tensor([[*range(half), *range(s, s + n - half)]], device="cuda")
+
+        def gathered(ids=ids):
+            gather(ids, addr, stage_addr, stage_slot, copies, words)
+
+        us = timed(gathered, 4)
+        print(f"| {n} | {us:.1f} | {n * sum(sizes) / us / 1e3:.1f} |")
     return 0
 
 

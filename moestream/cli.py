@@ -207,8 +207,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--expert-prefill-stage",
         action="store_true",
-        help="with --expert-zero-copy or --expert-paging: keep one layer's host-placed "
-        "experts' worth of "
+        help="with --expert-zero-copy: keep one layer's host-placed experts' worth of "
         "--gpu-expert-cache-gib as a stage; a forward of 64 tokens or more (prefill) copies each "
         "layer's host experts there at the link's copy rate and reads them on the device, "
         "instead of reading them across the link once per 32 tokens. Same results; a few "

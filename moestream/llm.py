@@ -134,10 +134,10 @@ class LLM:
     experts before reading them (`experts.zero_copy.ExpertStage`). `expert_paging` (with
     `gpu_expert_cache_gib`) keeps every expert in pinned host memory and as many as the budget
     holds in device slots, into which the GPU itself pages each decode forward's routed experts
-    (`experts.paged`: no host work, CUDA graphs stay on); `expert_prefill_stage` applies to it
-    too (a whole layer's experts). None (the default) pages on CUDA wherever the budgets allow
-    (the host budget holds every expert, the device budget a slot a layer, kernel-path types)
-    and streams otherwise; False always streams. `expert_direct_io` reads
+    (`experts.paged`: no host work, CUDA graphs stay on). None (the default) pages on CUDA
+    wherever the budgets allow (the host budget holds every expert, the device budget a layer's
+    experts and a slot a layer, kernel-path types) and streams otherwise; False always streams.
+    `expert_direct_io` reads
     streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
@@ -207,20 +207,18 @@ class LLM:
         if expert_cpu_threads is not None and expert_cpu_threads < 1:
             raise RequestError(f"expert_cpu_threads must be >= 1, got {expert_cpu_threads}")
         self.paged: list[PagedExperts] = []
-        if expert_paging and (expert_zero_copy or expert_direct_io or not budgets.streaming):
+        others = expert_zero_copy or expert_direct_io
+        if expert_paging and (others or not budgets.streaming):
             raise RequestError(
                 "expert_paging needs gpu_expert_cache_gib, and neither expert_zero_copy nor "
                 "expert_direct_io"
             )
         if expert_paging is None:  # auto: paged on CUDA wherever the budgets allow it
-            auto = self.device.type == "cuda" and budgets.streaming
-            auto = auto and not (expert_zero_copy or expert_direct_io)
-            expert_paging = auto and paging_allowed(
-                self.source, self.config, budgets, expert_prefill_stage, cuda=True
-            )
-        if expert_prefill_stage and not (expert_zero_copy or expert_paging):
-            raise RequestError("expert_prefill_stage needs expert_zero_copy or expert_paging")
-        if expert_direct_io and (expert_zero_copy or expert_paging or not budgets.streaming):
+            auto = self.device.type == "cuda" and budgets.streaming and not others
+            expert_paging = auto and paging_allowed(self.source, self.config, budgets)
+        if expert_prefill_stage and not expert_zero_copy:
+            raise RequestError("expert_prefill_stage needs expert_zero_copy")
+        if expert_direct_io and (expert_zero_copy or not budgets.streaming):
             raise RequestError(
                 "expert_direct_io needs streamed experts (gpu_expert_cache_gib, no zero-copy)"
             )
@@ -237,9 +235,8 @@ class LLM:
             # the GPU before each decode forward of a layer.
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             self.paged = attach_paged(
-                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib,
-                expert_prefill_stage,
-            )  # fmt: skip
+                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib
+            )
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.
             self.expert_store = build_expert_store(

@@ -1374,6 +1374,24 @@ PY
     bench_run streamed25_t1 100 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24 \
       --expert-paging off --temperature 1.0
     ;;
+  s30d)  # paged experts through the resident model's own MoE call (slots, or a stage the
+    # routed experts are gathered into): GPU tests (tokens equal to resident at 1 and 4 slots,
+    # 1 and 3 requests), the pager's and the gather's own cost, then 50% greedy / t1, 25% t1 and
+    # resident. Prediction: 50% greedy 300-340 (the address path gave 325.7), t1 270-300,
+    # 25% t1 210-250 (the stage takes ~2.7 slots a layer)
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    timeout 90 python3 bench/paging.py 2>&1 | tee "$out/paging.md" | tail -12
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    bench_run paged50 100 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24
+    bench_run paged50_t1 100 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --temperature 1.0
+    bench_run paged25_t1 100 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24 \
+      --temperature 1.0
+    bench_run resident 80 "${base[@]}"
+    ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
     # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,

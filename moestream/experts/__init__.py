@@ -188,11 +188,7 @@ def load_streamed_model(
 
 
 def paging_plan(
-    source: Any,
-    config: ModelConfig,
-    budgets: ExpertBudgets,
-    prefill_stage: bool = False,
-    cuda: bool = True,
+    source: Any, config: ModelConfig, budgets: ExpertBudgets, cuda: bool = True
 ) -> tuple[int | None, str | None]:
     """(device slots per layer, None) when paged placement (`experts.paged`) can run these
     budgets on the file of `source`, else (None, why not); reads no weights."""
@@ -205,7 +201,7 @@ def paging_plan(
         kinds = [[(t.qtype, t.expert_bytes) for t in layer] for layer in layout.layers]
         slots = plan_paging(
             kinds, layout.n_experts, budgets.gpu_expert_cache_gib,
-            budgets.host_expert_cache_gib, prefill_stage, cuda,
+            budgets.host_expert_cache_gib, cuda,
         )  # fmt: skip
     except (CapacityError, UnsupportedError) as e:
         return None, str(e)
@@ -213,14 +209,10 @@ def paging_plan(
 
 
 def paging_allowed(
-    source: Any,
-    config: ModelConfig,
-    budgets: ExpertBudgets,
-    prefill_stage: bool = False,
-    cuda: bool = True,
+    source: Any, config: ModelConfig, budgets: ExpertBudgets, cuda: bool = True
 ) -> bool:
     """Whether paged placement can run these budgets (`paging_plan`)."""
-    return paging_plan(source, config, budgets, prefill_stage, cuda)[0] is not None
+    return paging_plan(source, config, budgets, cuda)[0] is not None
 
 
 def describe_placement(

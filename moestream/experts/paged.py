@@ -6,26 +6,28 @@ is missing: a decode step becomes a chain of graphs with the host's work between
 (~120 us a layer on the 30B: bench/RESULTS.md, twentieth session), which bounds it far above the
 GPU's own time. Zero-copy placement (`experts.zero_copy`) needs no host, but its placement
 follows the routing only every `expert_rebalance_steps` steps, so every routed host expert
-crosses the link at every use. Here the decision moves onto the device: before each decode
-forward of a layer, `kernels.expert_pager.page` admits the routed experts that are not in
-slots into the slots of the coldest unrouted ones (frequency over a sliding window of
-forwards: a decayed count, `HEAT_HALF_LIFE`), copies them from host memory with a kernel, and
-rewrites the address table that the fused MoE kernel reads; an expert that finds no free slot
-(more routed experts than slots) is read across the host link for that forward. No host
-synchronisation, no host work: the pager and copy kernels are captured with the rest of the
-step. The host tier is inclusive (all experts), so an evicted expert needs no copy back.
+crosses the link at every use. Here the decision moves onto the device
+(`kernels.expert_pager`): before each forward of a layer of up to `PAGE_MAX_TOKENS` tokens,
+one program admits the routed experts that are not in slots into the slots of the coldest
+unrouted ones (frequency over a sliding window of forwards: a decayed count,
+`HEAT_HALF_LIFE`), a grid copies them from host memory, and the slot table is rewritten; no
+host synchronisation, no host work, and the kernels are captured with the rest of the step. The
+host tier is inclusive (all experts), so an evicted expert needs no copy back.
 
-Forwards longer than `PAGE_MAX_TOKENS` (prefill chunks) do not page (they route to most
-experts: paging would copy the layer through the slots); they read the host experts across the
-link or, with a prefill stage (`experts.zero_copy.ExpertStage`, here one whole layer), from a
-copy of the layer's host stacks made at the link's DMA rate. Their reads are counted but do not
-heat experts: the decode steps' routing alone decides what stays.
+The layer then runs the same fused MoE call as a resident layer (`ops.moe_forward` over a stack
+and an expert-to-slot table), so its method and bits are the resident model's at every batch:
+- over the device slots when every routed expert is in one after paging (`fits_slots`: the
+  forward pages and T x k <= S, so the free slots cover what is missing);
+- else (prefill chunks, batches beyond the slots) over the stage, a stack of E slots shared by
+  the layers (on CUDA, out of the device budget), into which a gather copies the forward's
+  routed experts in expert order from wherever they are (slots at device speed, the rest across
+  the link). Longer forwards do not page and do not heat experts: decode steps decide what
+  stays.
 
-Every expert's bytes are the same in every tier and the same kernel reads them, so results never
-depend on paging (tests against the resident model). Off CUDA (tests), `page_ref` makes the same
-decisions in torch and the layer takes the per-expert path through `weights(e)`.
+Off CUDA (tests), `page_ref` makes the same decisions in torch and the layer takes the
+per-expert path through `weights(e)`.
 
-Letters: E experts, S device slots per layer.
+Letters: E experts, S device slots per layer, T tokens, k experts per token.
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ from tqdm import tqdm
 from moestream.errors import CapacityError, UnsupportedError
 from moestream.experts.counters import phase_of
 from moestream.experts.zero_copy import ExpertStage
-from moestream.kernels.expert_pager import PAGER_MAX_EXPERTS, STATS, page, page_ref
 from moestream.weights.qtensor import QTensor
 
 if TYPE_CHECKING:
     from moestream.types import StepPlan
 
+# The device counters of each layer and phase (`kernels.expert_pager`'s stats, in this order).
+STATS = ("slot_reads", "admitted_reads", "link_reads", "admissions")
 # Forwards of up to this many tokens page (decode batches: the fused kernel's integer-dot path
 # takes 32 tokens of 8 experts in one launch); longer ones read in place.
 PAGE_MAX_TOKENS = 32
@@ -74,25 +77,20 @@ class PagedExperts:
 
     # the fused path needs nothing from the host: CUDA graphs capture the paging with the layer
     fully_resident = True
-    paged = True  # `layers.moe.SparseMoE`: the decode launch shape, the norm's q8 rows
-    host_work = None
-    host_marks = None
+    paged = True  # `layers.moe.SparseMoE` asks `prepare` for the stacks and the slot table
 
     def __init__(
         self,
         stacks: Sequence[QTensor],
         n_slots: int,
         device: torch.device | str,
+        stage: ExpertStage | None = None,
         phase: PhaseRow | None = None,
     ):
         gate, up, down = stacks  # [E, F, H], [E, F, H], [E, H, F] (host, file layout)
         e = gate.shape[0]
         if not 1 <= n_slots <= e:
             raise ValueError(f"n_slots {n_slots} not in [1, {e}]")
-        if e > PAGER_MAX_EXPERTS:
-            raise UnsupportedError(
-                f"paged experts handle up to {PAGER_MAX_EXPERTS} experts a layer, not {e}"
-            )
         self.device = torch.device(device)
         self.n_slots = n_slots
         cuda = self.device.type == "cuda"
@@ -111,71 +109,75 @@ class PagedExperts:
             raise UnsupportedError("expert byte sizes are not multiples of 16: no paging")
         self._words = tuple(n // 4 for n in nbytes)
         ptr = self.device.type
-        self.host_addr = torch.tensor(
-            [[w.data[i].data_ptr() for i in range(e)] for w in self._host], dtype=torch.int64
-        ).to(ptr)  # [3, E]
-        self.slot_addr = torch.tensor(
-            [[w.data[i].data_ptr() for i in range(n_slots)] for w in self._dev], dtype=torch.int64
-        ).to(ptr)  # [3, S]
-        self.expert_addr = self.host_addr.clone()  # [3, E] where each expert is read now
-        self.expert_addr[:, :n_slots] = self.slot_addr
+        self.host_addr = self._addresses(self._host, e)  # [3, E]
+        self.slot_addr = self._addresses(self._dev, n_slots)  # [3, S]
+        self.addr = self.host_addr.clone()  # [3, E] where each expert is now
+        self.addr[:, :n_slots] = self.slot_addr
         self.slot_of = torch.full((e,), -1, dtype=torch.int32, device=ptr)  # [E] slot or -1
         self.slot_of[:n_slots] = torch.arange(n_slots, dtype=torch.int32)
         self.owner = torch.arange(n_slots, dtype=torch.int32, device=ptr)  # [S] expert or -1
         self.heat = torch.zeros(e, dtype=torch.float32, device=ptr)
         self.stats = torch.zeros(len(PHASES), len(STATS), dtype=torch.int64, device=ptr)
         self.phase = phase or PhaseRow()
-        self._copies = torch.zeros(1 + 2 * n_slots, dtype=torch.int32, device=ptr)  # scratch
+        self._copies = torch.zeros(1 + 2 * e, dtype=torch.int32, device=ptr)  # kernels' lists
         self.decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
-        # Types, shapes and row strides for the kernel: one slot of each stack.
-        self.templates = tuple(
-            QTensor(d.data[:1], w.qtype, (1, *w.shape[1:])) for d, w in zip(self._dev, stacks)
-        )
-        self.stage: ExpertStage | None = None
-        self.stage_addr: torch.Tensor | None = None
+        # The stage: a stack of E slots (shared by the layers) for forwards whose routed experts
+        # may not all fit the slots; `stage_slot` maps each routed expert to its stage slot.
+        self._stage: list[QTensor] = []
+        if stage is not None:
+            self._stage = [
+                QTensor(stage.view(k, w.data), w.qtype, w.shape) for k, w in enumerate(self._host)
+            ]
+        self.stage_addr = self._addresses(self._stage, e) if stage is not None else None
+        self.stage_slot = torch.zeros(e, dtype=torch.int32, device=ptr)  # [E]
 
-    # ---- prefill stage -----------------------------------------------------------------------
-    def attach_stage(self, stage: ExpertStage) -> None:
-        """Read every expert from `stage` (a copy of the layer's host stacks) in forwards longer
-        than `PAGE_MAX_TOKENS`."""
-        self.stage = stage
-        self.stage_addr = torch.tensor(
-            [[stage.view(k, w.data)[i].data_ptr() for i in range(self.num_experts)]
-             for k, w in enumerate(self._host)],
-            dtype=torch.int64, device=self.device,
-        )  # fmt: skip
-
-    def addresses(self, tokens: int) -> tuple[torch.Tensor, bool]:
-        """(the address table for a forward of `tokens` tokens, whether it is the stage's):
-        beyond `PAGE_MAX_TOKENS` with a stage, the layer's host stacks are copied into it now
-        (queued on the current stream) and read there; else `expert_addr`."""
-        if self.stage is None or self.stage_addr is None or tokens <= PAGE_MAX_TOKENS:
-            return self.expert_addr, False
-        self.stage.fill([w.data for w in self._host])
-        return self.stage_addr, True
+    def _addresses(self, stacks: Sequence[QTensor], n: int) -> torch.Tensor:
+        """[3, n] int64: the byte address of each slot of the three stacks."""
+        rows = [[w.data[i].data_ptr() for i in range(n)] for w in stacks]
+        return torch.tensor(rows, dtype=torch.int64).to(self.device.type)
 
     # ---- paging ------------------------------------------------------------------------------
-    def observe(self, ids: torch.Tensor, staged: bool = False) -> None:
-        """Page for a forward routed to ids [T, k] (module docstring), queued on the current
-        stream; forwards of more than `PAGE_MAX_TOKENS` tokens only count their reads."""
-        admit = ids.shape[0] <= PAGE_MAX_TOKENS
+    def _stats(self) -> torch.Tensor:
         # CUDA graphs run decode and verify steps only (a warm-up may capture them after a
         # prompt's eager step: the phase must not come from the step before)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        stats = self.stats[PHASES.index("decode") if capturing else self.phase.row]
-        if self.device.type == "cuda":
-            page(
-                ids, self.heat, self.slot_of, self.owner, self.expert_addr, self.host_addr,
-                self.slot_addr, self._copies, stats, self._words, self.decay, admit, staged,
-            )  # fmt: skip
-            return
-        for e, s in page_ref(ids, self.heat, self.slot_of, self.owner, stats, self.decay, admit,
-                             staged):  # fmt: skip
+        return self.stats[PHASES.index("decode") if capturing else self.phase.row]
+
+    def fits_slots(self, ids: torch.Tensor) -> bool:
+        """Whether every expert that a forward routed to ids [T, k] reads sits in a slot once it
+        has paged: every expert has one, or the forward pages and T x k <= S (the free slots
+        then cover the missing experts)."""
+        if self.n_slots == self.num_experts:
+            return True
+        return ids.shape[0] <= PAGE_MAX_TOKENS and ids.numel() <= self.n_slots
+
+    def prepare(self, ids: torch.Tensor) -> tuple[QTensor, QTensor, QTensor, torch.Tensor]:
+        """(gate, up, down stacks, expert-to-slot table [E] int32) holding every expert that ids
+        [T, k] routes to, for one fused MoE call (`ops.moe_forward`): the device slots after
+        paging when they hold them all (`fits_slots`), else the stage after a gather (module
+        docstring). Everything is queued on the current stream (CUDA)."""
+        from moestream.kernels.expert_pager import gather, page
+
+        admit = ids.shape[0] <= PAGE_MAX_TOKENS
+        page(
+            ids, self.heat, self.slot_of, self.owner, self.addr, self.host_addr, self.slot_addr,
+            self._copies, self._stats(), self._words, self.decay, admit,
+        )  # fmt: skip
+        if self.fits_slots(ids):
+            return (*self._dev, self.slot_of)  # type: ignore[return-value]
+        if self.stage_addr is None:
+            raise ValueError("this layer has no stage: a forward beyond its slots cannot run")
+        gather(ids, self.addr, self.stage_addr, self.stage_slot, self._copies, self._words)
+        return (*self._stage, self.stage_slot)  # type: ignore[return-value]
+
+    def observe(self, ids: torch.Tensor) -> None:
+        """The CPU's paging (`page_ref`: the same decisions, bytes copied by torch) for a
+        forward routed to ids [T, k]; its per-expert path then reads `weights(e)`."""
+        admit = ids.shape[0] <= PAGE_MAX_TOKENS
+        moves = page_ref(ids, self.heat, self.slot_of, self.owner, self._stats(), self.decay, admit)
+        for e, s in moves:
             for k in range(3):
                 self._dev[k].data[s].copy_(self._host[k].data[e])
-        held = self.owner[self.owner >= 0].long()
-        self.expert_addr[:, :] = self.host_addr
-        self.expert_addr[:, held] = self.slot_addr[:, self.slot_of[held].long()]
 
     # ---- ExpertProvider ----------------------------------------------------------------------
     @property
@@ -190,8 +192,8 @@ class PagedExperts:
         return tuple(QTensor(w.data[i], w.qtype, w.shape[1:]) for w in tier)  # type: ignore[return-value]
 
     def stacked(self) -> tuple[QTensor, ...]:
-        """Types and shapes of the weights (one slot each; the data is found by address)."""
-        return self.templates
+        """The device slots' stacks (types, shapes and row strides of the fused kernel)."""
+        return tuple(self._dev)
 
     def held(self) -> list[int]:
         """The experts in device slots now, by slot (-1: empty); one device sync."""
@@ -211,11 +213,11 @@ class PagedExperts:
 
 
 def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
-    """Reads by where they were served over all layers so far (one device sync): from slots that
-    held the expert, from slots it was admitted to for that forward, across the host link, from
-    the prefill stage; admissions and the bytes they copied; the share of reads served by the
-    device and the share of routed experts found already in slots (the hit rate); the same per
-    phase under "phases"."""
+    """Reads by where they came from over all layers so far (one device sync): slots that held
+    the expert, slots it was admitted to for that forward, host memory (across the link into
+    the stage); admissions and the bytes they copied; the bytes over the host link; the share
+    of reads served from device slots and the share found already in slots (the hit rate);
+    the same per phase under "phases"."""
     if not providers:
         return {}
     stats = torch.stack([p.stats for p in providers])  # [layer, phase, counter]
@@ -236,15 +238,14 @@ def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
 
 
 def _rates(c: dict[str, int], admitted_bytes: int, link_read_bytes: int) -> dict[str, Any]:
-    device = c["slot_reads"] + c["admitted_reads"] + c["stage_reads"]
+    device = c["slot_reads"] + c["admitted_reads"]
     total = device + c["link_reads"]
-    hit_base = c["slot_reads"] + c["admitted_reads"] + c["link_reads"]
     return {
         **{k: c[k] for k in STATS},
         "admitted_bytes": admitted_bytes,
         "link_bytes": admitted_bytes + link_read_bytes,  # the copies and the reads across
         "device_read_share": device / total if total else 0.0,
-        "slot_hit_rate": c["slot_reads"] / hit_base if hit_base else 0.0,
+        "slot_hit_rate": c["slot_reads"] / total if total else 0.0,
     }
 
 
@@ -255,8 +256,7 @@ def paged_metric_families(
     docs = {
         "slot_reads": "Expert reads served by device slots that already held the expert",
         "admitted_reads": "Expert reads served by slots the expert was paged into that forward",
-        "link_reads": "Expert reads across the host link (no slot free for them)",
-        "stage_reads": "Expert reads of long forwards from the prefill stage",
+        "link_reads": "Expert reads from host memory over the link (not paged into a slot)",
         "admissions": "Experts paged into device slots",
         "admitted_bytes": "Expert bytes paged into device slots",
         "link_bytes": "Expert bytes over the host link (reads and paging)",
@@ -275,17 +275,20 @@ def plan_paging(
     n_experts: int,
     gpu_expert_cache_gib: float,
     host_expert_cache_gib: float | None,
-    prefill_stage: bool = False,
     cuda: bool = True,
 ) -> int:
     """Device slots per layer that paged placement gives, from each MoE layer's (type, bytes of
-    one expert) of gate, up and down (`kinds`). Raises CapacityError when the device budget holds
-    no slot a layer (with the prefill stage, one layer's experts first) or the host budget (when
-    given) not every expert; UnsupportedError when the layers cannot be paged."""
-    if n_experts > PAGER_MAX_EXPERTS:
-        raise UnsupportedError(
-            f"paged experts handle up to {PAGER_MAX_EXPERTS} experts a layer, not {n_experts}"
-        )
+    one expert) of gate, up and down (`kinds`): the device budget less the stage (one layer's
+    experts, shared), in whole slots of every layer. Raises CapacityError when the budget holds
+    the stage and no slot a layer, or the host budget (when given) not every expert;
+    UnsupportedError when the layers cannot be paged."""
+    if cuda:
+        from moestream.kernels.expert_pager import MAX_EXPERTS
+
+        if n_experts > MAX_EXPERTS:
+            raise UnsupportedError(
+                f"paged experts handle up to {MAX_EXPERTS} experts a layer, not {n_experts}"
+            )
     if any(n % 16 for layer in kinds for _, n in layer):
         raise UnsupportedError("expert byte sizes are not multiples of 16: no paging")
     if cuda:
@@ -298,13 +301,15 @@ def plan_paging(
             )
     slot = sum(n for layer in kinds for _, n in layer)  # one expert of every layer
     stage = n_experts * max(sum(n for _, n in layer) for layer in kinds)
-    budget = int(gpu_expert_cache_gib * 2**30) - (stage if prefill_stage else 0)
-    n_slots = min(n_experts, max(0, budget) // slot)
+    budget = int(gpu_expert_cache_gib * 2**30)
+    if budget >= n_experts * slot:
+        return n_experts  # every expert fits: no paging, no stage
+    n_slots = max(0, budget - stage) // slot
     if n_slots < 1:
-        need = slot + (stage if prefill_stage else 0)
         raise CapacityError(
-            f"paged experts need at least one device slot a layer: --gpu-expert-cache-gib "
-            f"{need / 2**30:.3f} or more (got {gpu_expert_cache_gib:g})"
+            f"paged experts need the stage (one layer's experts) and a device slot a layer: "
+            f"--gpu-expert-cache-gib {(stage + slot) / 2**30:.3f} or more (got "
+            f"{gpu_expert_cache_gib:g})"
         )
     host = n_experts * slot
     if host_expert_cache_gib is not None and host > host_expert_cache_gib * 2**30:
@@ -319,11 +324,11 @@ def attach_paged(
     model: object,
     gpu_expert_cache_gib: float,
     host_expert_cache_gib: float | None = None,
-    prefill_stage: bool = False,
 ) -> list[PagedExperts]:
     """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
     stacks are host views of the file) by `PagedExperts` with the device slots per layer of
-    `plan_paging` (nothing is replaced when it raises). All experts go to pinned host memory."""
+    `plan_paging` (nothing is replaced when it raises) and, on CUDA, one stage shared by the
+    layers. All experts go to pinned host memory."""
     moes = list(model.moe_layers())  # type: ignore[attr-defined]
     if not moes:
         raise UnsupportedError("paged expert placement applies to MoE models only")
@@ -331,20 +336,59 @@ def attach_paged(
     kinds = [[(w.qtype, w.data[0].numel()) for w in st] for st in stacks]
     device = torch.device(model.device)  # type: ignore[attr-defined]
     e = stacks[0][0].shape[0]
-    n_slots = plan_paging(
-        kinds, e, gpu_expert_cache_gib, host_expert_cache_gib, prefill_stage,
-        device.type == "cuda",
-    )  # fmt: skip
+    cuda = device.type == "cuda"
+    n_slots = plan_paging(kinds, e, gpu_expert_cache_gib, host_expert_cache_gib, cuda)
+    stage = None
+    if cuda and n_slots < e:  # the CPU's per-expert path reads experts where they are
+        stage = ExpertStage([max(st[k].data.numel() for st in stacks) for k in range(3)], device)
     providers = []
     phase = PhaseRow()  # shared: one hook sets every layer's counters row
     for moe, st in zip(moes, tqdm(stacks, desc="experts to pinned memory", unit="layer",
                                    disable=None)):  # fmt: skip
-        provider = PagedExperts(st, n_slots, device, phase)
+        provider = PagedExperts(st, n_slots, device, stage, phase)
         moe.experts = provider
         providers.append(provider)
-    if prefill_stage and n_slots < e:
-        largest = [max(p._host[k].data.numel() for p in providers) for k in range(3)]
-        stage = ExpertStage(largest, device)
-        for provider in providers:
-            provider.attach_stage(stage)
     return providers
+
+
+def page_ref(
+    ids: torch.Tensor,
+    heat: torch.Tensor,
+    slot_of: torch.Tensor,
+    owner: torch.Tensor,
+    stats: torch.Tensor,
+    decay: float,
+    admit: bool = True,
+) -> list[tuple[int, int]]:
+    """`kernels.expert_pager.page`'s decision in torch, updating heat, slot_of, owner and stats
+    in place; returns the admissions as (expert, slot), in the kernel's copy order. The caller
+    moves the bytes."""
+    e = slot_of.numel()
+    cnt = torch.bincount(ids.reshape(-1).long(), minlength=e)[:e].to(torch.int32)
+    on_slot = slot_of >= 0
+    stats[0] += int(cnt[on_slot].sum())
+    missing = (cnt > 0) & ~on_slot
+    if not admit:
+        stats[2] += int(cnt[missing].sum())
+        return []
+    heat.mul_(decay).add_(cnt.float())
+    hot = sorted(torch.nonzero(missing).flatten().tolist(), key=lambda x: (-float(heat[x]), x))
+    routed = cnt > 0
+    free = [
+        (-1.0 if o < 0 else float(heat[o]), i)
+        for i, o in enumerate(owner.tolist())
+        if o < 0 or not bool(routed[o])
+    ]
+    free.sort()
+    moves = list(zip(hot, (i for _, i in free)))
+    for x, i in moves:
+        old = int(owner[i])
+        if old >= 0:
+            slot_of[old] = -1
+        slot_of[x] = i
+        owner[i] = x
+    admitted = {x for x, _ in moves}
+    stats[1] += sum(int(cnt[x]) for x in admitted)
+    stats[2] += sum(int(cnt[x]) for x in hot if x not in admitted)
+    stats[3] += len(moves)
+    return moves

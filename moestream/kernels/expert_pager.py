@@ -1,29 +1,30 @@
 """Expert paging on the device: which routed experts move into device slots, and the copies.
 
 Under paged placement (`experts.paged`) every expert of a layer sits in pinned host memory and
-`S` of them also in device slots; the fused MoE kernel finds each expert's bytes through an
-address table (`expert_addr` [3, E]: a slot's address, or the host copy's, which the GPU reads
-across the host link). Before each decode forward of the layer, two launches keep the slots
-following the routing with no host involvement, so a whole step stays one CUDA graph:
+`S` of them also in device slots, found through an expert-to-slot table (`slot_of`, -1: not in
+a slot) and an address table (`addr` [3, E]: a slot's bytes, or the host copy's). Before a
+forward of the layer, launches with no host involvement (a whole step stays one CUDA graph):
 
-`page`'s first kernel (one program) reads the forward's routed ids, decays every expert's
-`heat` by `decay` and adds its reads (frequency over a sliding window of recent forwards),
-and admits the routed experts missing from the slots, hottest first, each into the slot of the
-coldest expert that this forward does not route (an empty slot first); it rewrites the slot
-and address tables of both and writes the list of copies. When fewer slots are free than
-experts are missing, the rest stay in host memory for this forward and the kernel reads them
-across the link. The second kernel (a grid over the GPU) copies each admitted expert's three
-weights from host memory into its slot. The MoE kernel launched after them reads the new table.
-Every expert's bytes are the same wherever they are read, so results never depend on paging.
+`page`: one program reads the forward's routed ids, decays every expert's `heat` by `decay` and
+adds its reads (frequency over a sliding window of recent forwards), and admits the routed
+experts missing from the slots, hottest first, each into the slot of the coldest expert that
+this forward does not route (an empty slot first); it rewrites both experts' table entries
+and writes the list of copies, which a grid then makes from host memory into the slots. When
+fewer slots are free than experts are missing, the rest stay out of the slots.
 
-The choice is vectorised over a [E, E] and an [S, E] comparison (ranks instead of a loop), so
-one program decides in a few microseconds for E <= `PAGER_MAX_EXPERTS`.
+`gather`: one program lists the forward's routed experts in ascending order (expert e to stage
+slot p, its rank; `stage_slot[e] = p`), and the same grid copies each from `addr` (a slot, at
+device speed, or host memory, across the link) into a stage stack, for forwards whose routed
+experts do not all fit the slots.
 
-Counters, on the device (`stats` [5] int64): reads served by slots that already held the
-expert, reads of experts admitted this forward, reads across the host link, admissions, and
-reads from the prefill stage (forwards that do not page; `experts.paged`).
+The admission is vectorised over [E, E] and [S, E] comparisons (ranks instead of a loop), so
+one program decides in microseconds for E <= `MAX_EXPERTS`, and the comparisons run only when
+some routed expert is missing. The copies' loads bypass L1 and are 16 bytes wide.
 
-`page_ref` is the same decision in torch (the CPU's path, and the kernel's test oracle).
+Counters, on the device (`stats` [4] int64, `experts.paged.STATS`): reads served by slots that
+already held the expert, reads of experts admitted this forward, reads of experts left out of
+the slots (from host memory), admissions. `experts.paged.page_ref` is the same decision in
+torch (the CPU's path, and the kernel's test oracle).
 
 Letters: E experts, S device slots, N routed assignments (tokens x k).
 """
@@ -38,8 +39,7 @@ import triton.language as tl
 
 from moestream.kernels.pdl import pdl_args, pdl_start
 
-PAGER_MAX_EXPERTS = 256  # the [E, E] rank comparison in one program's registers
-STATS = ("slot_reads", "admitted_reads", "link_reads", "admissions", "stage_reads")
+MAX_EXPERTS = 256  # the [E, E] rank comparison in one program's registers
 # The copy kernel's launch: programs per SM and words (int32) a program moves per iteration.
 # Loads from pinned host memory go across the link, whose latency wants many bytes in flight.
 COPY_PROGRAMS_PER_SM = 4
@@ -52,7 +52,7 @@ def _pager_kernel(
     ids_ptr, N, heat_ptr, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr, slot_addr_ptr,
     copy_ptr, stats_ptr, decay,
     E: tl.constexpr, S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, ADMIT: tl.constexpr, STAGED: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ADMIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(PDL)
     e = tl.arange(0, BLOCK_E)
@@ -118,9 +118,8 @@ def _pager_kernel(
         add += tl.where(stats == 3, n, 0)
     else:
         tl.store(copy_ptr, 0)
-        rest = tl.sum(tl.where(missing, cnt, 0))
-        add += tl.where(stats == (4 if STAGED else 2), rest, 0)
-    ok = stats < 5
+        add += tl.where(stats == 2, tl.sum(tl.where(missing, cnt, 0)), 0)
+    ok = stats < 4
     old = tl.load(stats_ptr + stats, mask=ok, other=0)
     tl.store(stats_ptr + stats, old + add.to(tl.int64), mask=ok)
 
@@ -141,21 +140,46 @@ def _copy_words(src_addr, dst_addr, n_words, pid, programs, BLOCK: tl.constexpr)
 
 @triton.jit
 def _copy_kernel(
-    copy_ptr, host_addr_ptr, slot_addr_ptr, W0, W1, W2,
-    E: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    copy_ptr, src_ptr, dst_ptr, W0, W1, W2, E_SRC, E_DST,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """The list copy_ptr = [n, (a_0, b_0), ...]: for each entry and weight k, words W_k from
+    byte address src[k, a] to dst[k, b] ([3, E_SRC] and [3, E_DST] int64 tables)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     n = tl.load(copy_ptr)
     for c in range(0, n):
-        ex = tl.load(copy_ptr + 1 + 2 * c)
-        sl = tl.load(copy_ptr + 2 + 2 * c)
+        a = tl.load(copy_ptr + 1 + 2 * c)
+        b = tl.load(copy_ptr + 2 + 2 * c)
         for k in tl.static_range(3):
             words = W0 if k == 0 else (W1 if k == 1 else W2)
-            src = tl.load(host_addr_ptr + k * E + ex)
-            dst = tl.load(slot_addr_ptr + k * S + sl)
+            src = tl.load(src_ptr + k * E_SRC + a)
+            dst = tl.load(dst_ptr + k * E_DST + b)
             _copy_words(src, dst, words, pid, programs, BLOCK)
+
+
+@triton.jit
+def _gather_list_kernel(
+    ids_ptr, N, list_ptr, stage_slot_ptr,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The routed experts of ids [N] in ascending order: expert e at stage slot p (its rank):
+    stage_slot[e] = p and list = [n, (e, p), ...] for `_copy_kernel`."""
+    pdl_start(PDL)
+    e = tl.arange(0, BLOCK_E)
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j0 in range(0, N, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(ids_ptr + j, mask=j < N, other=-1).to(tl.int32)
+        cnt += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    routed = (cnt > 0) & (e < E)
+    flag = routed.to(tl.int32)
+    pos = tl.cumsum(flag, axis=0) - flag
+    tl.store(stage_slot_ptr + e, pos, mask=routed)
+    tl.store(list_ptr + 1 + 2 * pos, e, mask=routed)
+    tl.store(list_ptr + 2 + 2 * pos, pos, mask=routed)
+    tl.store(list_ptr, tl.sum(flag))
 
 
 @functools.cache
@@ -178,72 +202,48 @@ def page(
     words: tuple[int, int, int],
     decay: float,
     admit: bool = True,
-    staged: bool = False,
 ) -> None:
     """Queue the paging of one forward of a layer (module docstring) on the current stream:
     ids [T, k] routed experts; heat [E] float32, slot_of [E] int32 (-1: not in a slot), owner
     [S] int32 (-1: empty), addr / host_addr [3, E] and slot_addr [3, S] int64 byte addresses,
-    copies [1 + 2 * S] int32 scratch, stats [5] int64, `words` each weight's int32 words.
-    Without `admit` (long forwards) only the read counters move, as `staged` reads or across
-    the link."""
+    copies [1 + 2 * S] int32 scratch, stats [4] int64, `words` each weight's int32 words.
+    Without `admit` (long forwards) only the read counters move."""
     e, s = slot_of.numel(), owner.numel()
-    if e > PAGER_MAX_EXPERTS:
-        raise ValueError(f"device paging handles up to {PAGER_MAX_EXPERTS} experts, not {e}")
+    if e > MAX_EXPERTS:
+        raise ValueError(f"device paging handles up to {MAX_EXPERTS} experts, not {e}")
     flat = ids.reshape(-1)
     pdl = pdl_args(ids.device)
     _pager_kernel[(1,)](
         flat, flat.numel(), heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
         decay, E=e, S=s, BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(s),
-        BLOCK_N=32, ADMIT=admit, STAGED=staged, num_warps=4, **pdl,
+        BLOCK_N=32, ADMIT=admit, num_warps=4, **pdl,
     )  # fmt: skip
-    if not admit:
-        return
-    grid = _copy_grid(ids.device)
-    _copy_kernel[(grid,)](
-        copies, host_addr, slot_addr, *words, E=e, S=s, BLOCK=COPY_BLOCK, num_warps=COPY_WARPS,
-        **pdl,
-    )  # fmt: skip
+    if admit:
+        _copy_kernel[(_copy_grid(ids.device),)](
+            copies, host_addr, slot_addr, *words, e, s, BLOCK=COPY_BLOCK,
+            num_warps=COPY_WARPS, **pdl,
+        )  # fmt: skip
 
 
-def page_ref(
+def gather(
     ids: torch.Tensor,
-    heat: torch.Tensor,
-    slot_of: torch.Tensor,
-    owner: torch.Tensor,
-    stats: torch.Tensor,
-    decay: float,
-    admit: bool = True,
-    staged: bool = False,
-) -> list[tuple[int, int]]:
-    """`page`'s decision in torch, updating heat, slot_of, owner and stats in place; returns
-    the admissions as (expert, slot), in the kernel's copy order. The caller moves the bytes
-    and the address table."""
-    e = slot_of.numel()
-    cnt = torch.bincount(ids.reshape(-1).long(), minlength=e)[:e].to(torch.int32)
-    on_slot = slot_of >= 0
-    stats[0] += int(cnt[on_slot].sum())
-    missing = (cnt > 0) & ~on_slot
-    if not admit:
-        stats[4 if staged else 2] += int(cnt[missing].sum())
-        return []
-    heat.mul_(decay).add_(cnt.float())
-    hot = sorted(torch.nonzero(missing).flatten().tolist(), key=lambda x: (-float(heat[x]), x))
-    routed = cnt > 0
-    free = [
-        (-1.0 if o < 0 else float(heat[o]), i)
-        for i, o in enumerate(owner.tolist())
-        if o < 0 or not bool(routed[o])
-    ]
-    free.sort()
-    moves = list(zip(hot, (i for _, i in free)))
-    for x, i in moves:
-        old = int(owner[i])
-        if old >= 0:
-            slot_of[old] = -1
-        slot_of[x] = i
-        owner[i] = x
-    admitted = {x for x, _ in moves}
-    stats[1] += sum(int(cnt[x]) for x in admitted)
-    stats[2] += sum(int(cnt[x]) for x in hot if x not in admitted)
-    stats[3] += len(moves)
-    return moves
+    addr: torch.Tensor,
+    stage_addr: torch.Tensor,
+    stage_slot: torch.Tensor,
+    copies: torch.Tensor,
+    words: tuple[int, int, int],
+) -> None:
+    """Queue copies of the experts that ids [T, k] route to, wherever they are now (addr [3, E]:
+    a device slot or host memory), into a stage stack in ascending expert order (stage_addr
+    [3, E] its slots' addresses); stage_slot [E] int32 then maps each routed expert to its
+    stage slot. copies: [1 + 2 * E] int32 scratch."""
+    e = stage_slot.numel()
+    flat = ids.reshape(-1)
+    pdl = pdl_args(ids.device)
+    _gather_list_kernel[(1,)](
+        flat, flat.numel(), copies, stage_slot, E=e, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_N=32, num_warps=4, **pdl,
+    )  # fmt: skip
+    _copy_kernel[(_copy_grid(ids.device),)](
+        copies, addr, stage_addr, *words, e, e, BLOCK=COPY_BLOCK, num_warps=COPY_WARPS, **pdl
+    )

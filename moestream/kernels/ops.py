@@ -426,19 +426,14 @@ def moe_forward_addr(
     expert_addr: torch.Tensor,
     host: HostWork | None = None,
     host_marks: torch.Tensor | None = None,
-    device_shape: bool = False,
-    xa: Q8Act | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The fused MoE with expert weights found by byte address (`experts.zero_copy`,
-    `experts.paged`): gate, up [1, F, H] and down [1, H, F] give types and shapes, expert_addr
-    [3, E] int64 the bytes of each expert. CUDA kernel path only ("mmvq", in chunks of at most
-    MMVQ_MAX_ASSIGNMENTS assignments; a token's result does not depend on its chunk). `host`
-    computes the experts whose `host_marks` [E] int32 entry is negative, chunk by chunk
-    (`moe_mmvq.HostWork`). With `host_marks` the launch takes `HYBRID_CONFIG`, with or without
-    `host` (a layer whose host work sits out this call keeps its bits); else ZERO_COPY_CONFIG,
-    or with `device_shape` (experts mostly in device memory) the resident decode's launch
-    shape, with `xa` (x's q8 rows, used when x is one chunk) and its arrival `counters`."""
+    """The fused MoE with expert weights found by byte address (`experts.zero_copy`): gate, up
+    [1, F, H] and down [1, H, F] give types and shapes, expert_addr [3, E] int64 the bytes of
+    each expert. CUDA kernel path only ("mmvq", in chunks of at most MMVQ_MAX_ASSIGNMENTS
+    assignments; a token's result does not depend on its chunk). `host` computes the experts
+    whose `host_marks` [E] int32 entry is negative, chunk by chunk (`moe_mmvq.HostWork`).
+    With `host_marks` the launch takes `HYBRID_CONFIG`, with or without `host` (a layer whose
+    host work sits out this call keeps its bits)."""
     from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS, fused_moe
     from moestream.kernels.moe_mmvq import HYBRID_CONFIG, ZERO_COPY_CONFIG
 
@@ -447,21 +442,12 @@ def moe_forward_addr(
     )):  # fmt: skip
         raise ValueError("address-table experts need the CUDA integer-dot MoE kernel")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    rows = max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1])
-    kw: dict[str, object] = {"host_rows": host}
-    if host_marks is not None:
-        kw["mmvq_cfg"] = HYBRID_CONFIG
-    elif not device_shape:
-        kw["mmvq_cfg"] = ZERO_COPY_CONFIG
-    else:
-        kw["counters"] = counters
-        if xa is not None and x.shape[0] <= rows:
-            _check_q8(xa, *x.shape)
-            kw["xa"] = xa
     return _moe_in_token_chunks(
-        x, topk_ids.contiguous(), topk_weights.contiguous(), rows,
+        x, topk_ids.contiguous(), topk_weights.contiguous(),
+        max(1, MMVQ_MAX_ASSIGNMENTS // topk_ids.shape[1]),
         lambda xc, ic, wc: fused_moe(
-            xc, ic, wc, gate, up, down, host_marks, method="mmvq", expert_addr=expert_addr, **kw
+            xc, ic, wc, gate, up, down, host_marks, method="mmvq", expert_addr=expert_addr,
+            mmvq_cfg=ZERO_COPY_CONFIG if host_marks is None else HYBRID_CONFIG, host_rows=host,
         ),
     )  # fmt: skip
 

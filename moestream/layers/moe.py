@@ -206,15 +206,10 @@ class SparseMoE:
     def takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the forward on x [T, H] rounds x to q8 blocks (the fused kernel's integer-dot
         path over the provider's slots): the norm producing x can then do it (`norm.with_q8`)."""
-        if not fused_moe_path(x) or not self.resident:
+        if getattr(self.experts, "expert_addr", None) is not None or not fused_moe_path(x):
             return False
-        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy or paged
-            from moestream.kernels.moe import MMVQ_MAX_ASSIGNMENTS
-
-            if not getattr(self.experts, "paged", False):
-                return False
-            if x.shape[0] * self.top_k > MMVQ_MAX_ASSIGNMENTS:  # the address path's chunks
-                return False
+        if not self.resident:
+            return False
         gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
         return ops.moe_takes_q8(x, self.top_k, gate, up, down, self.experts.num_experts)
 
@@ -254,19 +249,21 @@ class SparseMoE:
         `stacked()` slots. Without: the fused call when `fused_moe_path(x)` and the experts are
         resident (the provider's own table; no host sync), else the per-expert path. The fused
         call takes the q8 rounding of x that its norm attached (`norm.q8_of`), if any."""
-        if getattr(self.experts, "expert_addr", None) is not None:  # zero-copy or paged
-            experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`, `.paged...`
+        if getattr(self.experts, "paged", False):  # `experts.paged.PagedExperts`
+            paged: Any = self.experts
+            if fused_moe_path(x):  # routed experts paged into slots (or gathered), queued
+                gate, up, down, slot = paged.prepare(ids)
+                xa, counters = q8_of(x), self._counters(x, gate)
+                return ops.moe_forward(x, ids, weights, gate, up, down, slot, xa, counters)
+            paged.observe(ids)  # the CPU: paged by torch, then the per-expert path
+        elif getattr(self.experts, "expert_addr", None) is not None:  # zero-copy placement
+            experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`
             if not fused_moe_path(x):
                 experts.observe(ids)
             else:  # long forwards read the host tier from the prefill stage, if there is one
                 addr, staged = experts.addresses(x.shape[0])
-                experts.observe(ids, staged)  # paged: routed experts into slots, queued
+                experts.observe(ids, staged)
                 gate, up, down = experts.stacked()
-                if getattr(experts, "paged", False):  # mostly device reads: the decode shape
-                    return ops.moe_forward_addr(
-                        x, ids, weights, gate, up, down, addr, device_shape=True,
-                        xa=q8_of(x), counters=self._counters(x, gate),
-                    )  # fmt: skip
                 work = experts.host_work
                 marks = experts.host_marks if work else None  # the launch shape of host work
                 return ops.moe_forward_addr(

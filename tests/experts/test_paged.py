@@ -29,7 +29,7 @@ def _state(e: int, s: int, seed: int) -> dict[str, torch.Tensor]:
         if x >= 0:
             slot_of[x] = i
     heat = torch.randint(0, 4, (e,), generator=g).float()  # ties on purpose
-    return {"heat": heat, "slot_of": slot_of, "owner": owner, "stats": torch.zeros(5).long()}
+    return {"heat": heat, "slot_of": slot_of, "owner": owner, "stats": torch.zeros(4).long()}
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,8 @@ def _state(e: int, s: int, seed: int) -> dict[str, torch.Tensor]:
 )
 def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int) -> None:
     pytest.importorskip("triton", reason="triton is not installed")
-    from moestream.kernels.expert_pager import page, page_ref
+    from moestream.experts.paged import page_ref
+    from moestream.kernels.expert_pager import page
 
     words = (8, 4, 12)  # int32 words of the three weights of one expert
     host = [torch.randint(-(2**31), 2**31 - 1, (e, w), dtype=torch.int32) for w in words]
@@ -85,6 +86,36 @@ def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int)
     assert ref["stats"][3] > 0 and ref["stats"][0] > 0  # admissions and hits both happened
 
 
+@pytest.mark.parametrize("tokens, k", [(1, 3), (5, 4)])
+def test_gather_copies_the_routed_experts_into_the_stage_in_order(tokens: int, k: int) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from moestream.kernels.expert_pager import gather
+
+    e, s, words = 12, 5, (8, 4, 12)
+    g = torch.Generator().manual_seed(tokens)
+    host = [
+        torch.randint(-(2**31), 2**31 - 1, (e, w), dtype=torch.int32, generator=g) for w in words
+    ]
+    if DEVICE == "cuda":
+        host = [h.pin_memory() for h in host]
+    slots = [h[3 : 3 + s].clone().to(DEVICE) for h in host]  # experts 3..7 in slots 0..4
+    stage = [torch.zeros(e, w, dtype=torch.int32, device=DEVICE) for w in words]
+    addr = torch.tensor([[h[i].data_ptr() for i in range(e)] for h in host])
+    for kind, d in enumerate(slots):
+        addr[kind, 3 : 3 + s] = torch.tensor([d[i].data_ptr() for i in range(s)])
+    stage_addr = torch.tensor([[t[i].data_ptr() for i in range(e)] for t in stage])
+    stage_slot = torch.full((e,), -7, dtype=torch.int32, device=DEVICE)
+    copies = torch.zeros(1 + 2 * e, dtype=torch.int32, device=DEVICE)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    gather(ids.to(DEVICE), addr.to(DEVICE), stage_addr.to(DEVICE), stage_slot, copies, words)
+    routed = ids.unique().tolist()  # ascending
+    assert int(copies[0]) == len(routed)
+    for p, x in enumerate(routed):
+        assert int(stage_slot[x]) == p
+        assert all(torch.equal(t[p].cpu(), h[x]) for t, h in zip(stage, host, strict=True)), x
+    assert all(int(stage_slot[x]) == -7 for x in range(e) if x not in routed)  # not written
+
+
 @pytest.fixture(scope="module")
 def resident() -> LLM:
     if not DEMO_MODEL.is_file():
@@ -107,14 +138,18 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[tuple[list[int], list[
     ]
 
 
-def _layer_gib(llm: LLM) -> float:
-    return sum(p.expert_bytes for p in llm.paged) / 2**30  # one slot in every layer
+def _gib_for(llm: LLM, slots: int) -> float:
+    """The device budget that gives `slots` slots a layer: the stage (one layer's experts)
+    and the slots, or every expert."""
+    one = sum(p.expert_bytes for p in llm.paged)  # a slot in every layer
+    e = llm.paged[0].num_experts
+    stage = e * max(p.expert_bytes for p in llm.paged)
+    return (e * one if slots == e else stage + slots * one) / 2**30 + 1e-9
 
 
 @pytest.mark.parametrize("slots", [1, 5, 8])
 def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
-    one = _layer_gib(paged(1.0))
-    llm = paged(slots * one + 1e-9)
+    llm = paged(_gib_for(paged(1.0), slots))
     assert {p.n_slots for p in llm.paged} == {slots}
     assert all(moe.capturable for moe in llm.model.moe_layers())  # no host work per forward
     assert run(llm) == run(resident)
@@ -126,7 +161,7 @@ def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
     # every layer read each forwarded token's k experts once (the last token is not forwarded)
     top_k = llm.model.moe_layers()[0].top_k
     tokens = sum(len(llm._encode(p)) + GREEDY.max_tokens - 1 for p in PROMPTS)
-    per_layer = {int(p.stats[:, [0, 1, 2, 4]].sum()) for p in llm.paged}
+    per_layer = {int(p.stats[:, :3].sum()) for p in llm.paged}
     assert per_layer == {tokens * top_k}
     c = paged_snapshot(llm.paged)
     assert c["admitted_bytes"] == sum(int(p.stats[:, 3].sum()) * p.expert_bytes for p in llm.paged)
@@ -145,48 +180,40 @@ def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
 def test_budgets_are_enforced() -> None:
     if not DEMO_MODEL.is_file():
         pytest.skip("demo model is not in this checkout")
-    one = _layer_gib(paged(1.0))
-    with pytest.raises(CapacityError, match="at least one device slot"):
-        paged(one / 2)
+    one_slot = _gib_for(paged(1.0), 1)
+    with pytest.raises(CapacityError, match="a device slot a layer"):
+        paged(one_slot * 0.9)
     with pytest.raises(CapacityError, match="host-expert-cache-gib"):
-        paged(one, host_gib=one)
+        paged(one_slot, host_gib=one_slot)
     with pytest.raises(RequestError, match="expert_paging"):
         LLM(DEMO_MODEL, device="cpu", expert_paging=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_paging_on_the_gpu_keeps_the_tokens() -> None:
-    """On a GPU, decode steps captured as CUDA graphs with the pager and copy kernels inside
-    (run-ahead on): the greedy tokens equal the resident model's at one slot a layer (most
-    experts read across the link) and at half of them (most paged). One request at a time:
-    three decoding together can keep a single slot's expert routed at every step."""
+@pytest.mark.parametrize("slots, seqs", [(1, 1), (4, 1), (1, 3), (4, 3)])
+def test_paging_on_the_gpu_keeps_the_tokens(slots: int, seqs: int) -> None:
+    """On a GPU, decode steps captured as CUDA graphs with the pager, gather and copy kernels
+    inside (run-ahead on): the greedy tokens equal the resident model's, one request at a time
+    (decode over the slots: 2 experts a token) and three together (beyond one slot or four:
+    through the stage, as the prompts are)."""
     text = (DEMO_MODEL.parent / "heldout-python.txt").read_text()
     prompts = [text[i : i + 300] for i in (0, 5000, 26000)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    resident = LLM(DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5, max_num_seqs=1)
+    kw = {"device": "cuda", "max_model_len": 256, "kv_cache_gib": 0.5, "max_num_seqs": seqs}
+    resident = LLM(DEMO_MODEL, **kw)
     want = [o.token_ids for o in resident.generate(prompts, params)]
     del resident
-    one = None
-    for slots in (1, 4):
-        if one is None:
-            probe = LLM(
-                DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5,
-                gpu_expert_cache_gib=1.0, host_expert_cache_gib=1.0, expert_paging=True,
-            )  # fmt: skip
-            one = _layer_gib(probe)
-            del probe
-        llm = LLM(
-            DEMO_MODEL, device="cuda", max_model_len=256, kv_cache_gib=0.5,
-            gpu_expert_cache_gib=slots * one + 1e-9, host_expert_cache_gib=1.0,
-            expert_paging=True, max_num_seqs=1,
-        )  # fmt: skip
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want, slots
-        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
-        c = paged_snapshot(llm.paged)
-        assert c["admissions"] > 0, c
-        for p in llm.paged:
-            for i, x in enumerate(p.held()):
-                assert x >= 0 and int(p.slot_of[x]) == i
-                assert torch.equal(p._dev[2].data[i].cpu(), p._host[2].data[x])
-        del llm
+    probe = LLM(DEMO_MODEL, **kw, gpu_expert_cache_gib=1.0, host_expert_cache_gib=1.0)
+    gib = _gib_for(probe, slots)
+    del probe
+    llm = LLM(DEMO_MODEL, **kw, gpu_expert_cache_gib=gib, host_expert_cache_gib=1.0)
+    assert {p.n_slots for p in llm.paged} == {slots}  # paged: the default on CUDA
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
+    c = paged_snapshot(llm.paged)
+    assert c["admissions"] > 0 and c["phases"]["decode"]["slot_reads"] > 0, c
+    for p in llm.paged:
+        for i, x in enumerate(p.held()):
+            assert x >= 0 and int(p.slot_of[x]) == i
+            assert torch.equal(p._dev[2].data[i].cpu(), p._host[2].data[x])
