@@ -212,7 +212,9 @@ def test_paging_on_the_gpu_keeps_the_tokens(slots: int, seqs: int) -> None:
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.captured
     c = paged_snapshot(llm.paged)
-    assert c["admissions"] > 0 and c["phases"]["decode"]["slot_reads"] > 0, c
+    assert c["phases"]["decode"]["slot_reads"] > 0 and c["link_reads"] > 0, c
+    if seqs == 1:  # (three requests can keep one slot's expert routed at every step)
+        assert c["admissions"] > 0, c
     for p in llm.paged:
         for i, x in enumerate(p.held()):
             assert x >= 0 and int(p.slot_of[x]) == i
