@@ -1392,6 +1392,19 @@ PY
       --temperature 1.0
     bench_run resident 80 "${base[@]}"
     ;;
+  s30e)  # paged experts (slots or the stage), the rest of the figures: 25% greedy, 10%
+    # temperature 1, 8 requests at 50% temperature 1. Prediction: 25% greedy 250-290; 10% t1
+    # 150-180; 8 requests at 50% 350-450 aggregate (the stage's gather copies every routed
+    # expert there: 8 x 8 > 61 slots)
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    bench_run paged25 90 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24
+    bench_run paged10_t1 90 "${base[@]}" --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24 \
+      --temperature 1.0
+    bench_run paged50_c8 110 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
+      --temperature 1.0 --concurrency 8 --concurrency-prompt 32
+    ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
     # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,
