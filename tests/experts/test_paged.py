@@ -219,3 +219,37 @@ def test_paging_on_the_gpu_keeps_the_tokens(slots: int, seqs: int) -> None:
         for i, x in enumerate(p.held()):
             assert x >= 0 and int(p.slot_of[x]) == i
             assert torch.equal(p._dev[2].data[i].cpu(), p._host[2].data[x])
+
+
+def test_plan_paging_counts_the_stage_and_refuses_what_cannot_page() -> None:
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.errors import UnsupportedError
+    from moestream.experts.paged import plan_paging
+
+    mib = 2**20
+    kinds = [[(Q.Q4_K, mib), (Q.Q4_K, mib), (Q.Q6_K, 2 * mib)]] * 4  # 4 MiB an expert a layer
+    gib = 2**30
+    # stage: 8 experts x 4 MiB = 32 MiB; a slot in each of the 4 layers: 16 MiB
+    assert plan_paging(kinds, 8, (32 + 3 * 16) * mib / gib, None) == 3
+    assert plan_paging(kinds, 8, 8 * 16 * mib / gib, None) == 8  # all fit: no stage
+    with pytest.raises(CapacityError, match="a device slot a layer"):
+        plan_paging(kinds, 8, (32 + 15) * mib / gib, None)
+    with pytest.raises(CapacityError, match="pinned host memory"):
+        plan_paging(kinds, 8, 1.0 * (32 + 16) * mib / gib, 0.1)
+    with pytest.raises(UnsupportedError, match="integer-dot"):
+        plan_paging([[(Q.IQ4_XS, mib)] * 3] * 4, 8, 1.0, None)
+    assert plan_paging([[(Q.IQ4_XS, mib)] * 3] * 4, 8, 1.0, None, cuda=False) == 8
+    with pytest.raises(UnsupportedError, match="multiples of 16"):
+        plan_paging([[(Q.Q4_K, 1000)] * 3] * 4, 8, 1.0, None)
+
+
+def test_info_says_which_placement_cuda_gets() -> None:
+    if not DEMO_MODEL.is_file():
+        pytest.skip("demo model is not in this checkout")
+    from moestream.experts import ExpertBudgets, describe_placement, format_placement
+
+    paged_ = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 1.0))
+    assert paged_["paged_slots"] >= 1 and "paged (the default there)" in format_placement(paged_)
+    streamed = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 0.0))
+    assert streamed["paged_slots"] is None and "not paged" in format_placement(streamed)
