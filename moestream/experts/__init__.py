@@ -211,8 +211,10 @@ def paging_plan(
 def paging_allowed(
     source: Any, config: ModelConfig, budgets: ExpertBudgets, cuda: bool = True
 ) -> bool:
-    """Whether paged placement can run these budgets (`paging_plan`)."""
-    return paging_plan(source, config, budgets, cuda)[0] is not None
+    """Whether paged placement can run these budgets (`paging_plan`) with something to page:
+    when every expert fits the device budget the store keeps them all resident instead."""
+    slots = paging_plan(source, config, budgets, cuda)[0]
+    return slots is not None and slots < config.n_experts
 
 
 def describe_placement(
@@ -237,5 +239,8 @@ def describe_placement(
     streamed = [d // layout.top_k for d in placement.device_slots if d < layout.n_experts]
     summary["graph_batch"] = max(buckets_up_to(BUCKETS, min(streamed))) if streamed else None
     # On CUDA the default is paged placement where these budgets allow it (`LLM`)
-    summary["paged_slots"], summary["paged_refused"] = paging_plan(source, source.config, budgets)
+    slots, refused = paging_plan(source, source.config, budgets)
+    if slots == layout.n_experts:
+        slots, refused = None, "every expert fits the device budget"
+    summary["paged_slots"], summary["paged_refused"] = slots, refused
     return summary

@@ -158,6 +158,8 @@ class PagedExperts:
         docstring). Everything is queued on the current stream (CUDA)."""
         from moestream.kernels.expert_pager import gather, page
 
+        if self.n_slots == self.num_experts:  # every expert in a slot: nothing to page
+            return (*self._dev, self.slot_of)  # type: ignore[return-value]
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
         page(
             ids, self.heat, self.slot_of, self.owner, self.addr, self.host_addr, self.slot_addr,

@@ -204,7 +204,9 @@ def test_paging_on_the_gpu_keeps_the_tokens(slots: int, seqs: int) -> None:
     resident = LLM(DEMO_MODEL, **kw)
     want = [o.token_ids for o in resident.generate(prompts, params)]
     del resident
-    probe = LLM(DEMO_MODEL, **kw, gpu_expert_cache_gib=1.0, host_expert_cache_gib=1.0)
+    probe = LLM(
+        DEMO_MODEL, **kw, gpu_expert_cache_gib=1.0, host_expert_cache_gib=1.0, expert_paging=True
+    )
     gib = _gib_for(probe, slots)
     del probe
     llm = LLM(DEMO_MODEL, **kw, gpu_expert_cache_gib=gib, host_expert_cache_gib=1.0)
