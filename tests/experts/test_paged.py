@@ -116,6 +116,36 @@ def test_gather_copies_the_routed_experts_into_the_stage_in_order(tokens: int, k
     assert all(int(stage_slot[x]) == -7 for x in range(e) if x not in routed)  # not written
 
 
+def test_prepare_gives_a_stack_and_table_holding_every_routed_expert() -> None:
+    """The fused path's contract (`PagedExperts.prepare`, with the interpreter's kernels on the
+    CPU): after paging, the slots hold a forward's routed experts when tokens x k <= slots;
+    beyond that (or beyond PAGE_MAX_TOKENS tokens, which do not page) the stage does, each at
+    the slot its table names, with the expert's own bytes."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from gguf import GGMLQuantizationType as Q
+
+    from moestream.experts.paged import PAGE_MAX_TOKENS, PagedExperts
+    from moestream.experts.zero_copy import ExpertStage
+    from moestream.weights.qtensor import QTensor
+
+    e, f, h = 8, 256, 256  # Q4_K rows of 144 bytes: 36,864 bytes a weight of an expert
+    g = torch.Generator().manual_seed(3)
+    stacks = [
+        QTensor(torch.randint(0, 256, (e, *rows), dtype=torch.uint8, generator=g), Q.Q4_K, shape)
+        for rows, shape in (((f, 144), (e, f, h)), ((f, 144), (e, f, h)), ((h, 144), (e, h, f)))
+    ]
+    stage = ExpertStage([w.data.numel() for w in stacks], torch.device(DEVICE))
+    p = PagedExperts(stacks, 3, DEVICE, stage)
+    for tokens, via in ((1, "slots"), (1, "slots"), (2, "stage"), (PAGE_MAX_TOKENS + 1, "stage")):
+        ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(tokens)]).to(DEVICE)
+        *weights, table = p.prepare(ids)
+        assert (weights[0].data.shape[0] == 3) == (via == "slots")
+        for x in ids.unique().tolist():
+            i = int(table[x])
+            assert all(torch.equal(w.data[i].cpu(), s.data[x]) for w, s in zip(weights, stacks))
+    assert int(p.stats[:, 3].sum()) > 0  # something was admitted
+
+
 @pytest.fixture(scope="module")
 def resident() -> LLM:
     if not DEMO_MODEL.is_file():
