@@ -10,7 +10,7 @@ import torch
 
 from moestream.cli import DEMO_MODEL
 from moestream.errors import CapacityError, RequestError
-from moestream.experts.paged import paged_snapshot
+from moestream.experts.paged import paged_metric_families, paged_snapshot
 from moestream.llm import LLM
 from moestream.types import SamplingParams
 
@@ -205,6 +205,9 @@ def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
         assert c["admissions"] > 0 and c["slot_reads"] > 0
     if slots < top_k:  # a token's experts never all fit: some read across the link
         assert c["link_reads"] > 0
+    metrics = {name: value for name, _, _, value in paged_metric_families(c)}
+    assert metrics["moestream_expert_paged_admissions"] == c["admissions"]
+    assert metrics["moestream_expert_paged_slot_hit_rate"] == c["slot_hit_rate"]
 
 
 def test_budgets_are_enforced() -> None:
