@@ -118,6 +118,10 @@ def main() -> None:
     p.add_argument("--gpu-expert-cache-gib", type=float, default=None)
     p.add_argument("--host-expert-cache-gib", type=float, default=0.0)
     p.add_argument("--expert-zero-copy", action="store_true")
+    p.add_argument(
+        "--expert-paging", choices=["auto", "on", "off"], default="off",
+        help="as moestream's option; off by default here: the cut timing is the streamed store's",
+    )  # fmt: skip
     p.add_argument("--expert-cpu-fraction", type=float, default=0.0)
     p.add_argument("--expert-cpu-threads", type=int, default=None)
     p.add_argument("--tables", action="store_true", help="also torch.profiler's op tables")
@@ -128,6 +132,7 @@ def main() -> None:
         host_expert_cache_gib=args.host_expert_cache_gib, expert_zero_copy=args.expert_zero_copy,
         expert_cpu_fraction=args.expert_cpu_fraction, expert_cpu_threads=args.expert_cpu_threads,
         expert_rebalance_steps=0,
+        expert_paging={"auto": None, "on": True, "off": False}[args.expert_paging],
     )  # fmt: skip
     cuts = time_cuts() if llm.device.type == "cuda" else None
     engine = llm.engine

@@ -2,6 +2,9 @@
 # The GPU checks and figures the open issues ask for, in parts, each meant to fit one 10-minute
 # call on an H200 (per-run timeouts). Run from a checkout with gguf importable; OUT names a
 # folder for the JSON files; a COMMIT file in the tree names the commit when .git is absent.
+# Since the twenty-first session (part s30a on) CUDA pages experts by default wherever the host
+# budget holds every expert (`--expert-paging auto`); earlier parts measured the streamed store
+# there: add `--expert-paging off` to run them as they ran.
 #   bench/scripts/gpu_figures.sh check   GPU tests of the kernels, graphs and expert tiers;
 #                                        kernel timings; greedy text on the GPU against the CPU
 #                                        reference; the tiny pair's speculation on the GPU

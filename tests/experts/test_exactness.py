@@ -119,6 +119,7 @@ def test_streamed_experts_on_cuda_match_resident() -> None:
             gpu_expert_cache_gib=budgets.gpu_expert_cache_gib,
             host_expert_cache_gib=budgets.host_expert_cache_gib,
             enforce_eager=True,
+            expert_paging=False,  # the store (paged would be the default where host RAM holds all)
         )
         store = streamed.expert_store
         assert store.placement.device_slots == (device_slots,) * c.n_layers

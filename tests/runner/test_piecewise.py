@@ -65,8 +65,10 @@ def test_streamed_decode_graphs_give_the_eager_bits() -> None:
     gib = 5 * layout.slot_bytes / 2**30
 
     def outputs(enforce_eager: bool):
+        # the streamed store (paged would be the default where host RAM holds every expert)
         llm = LLM(DEMO_MODEL, device="cuda", gpu_expert_cache_gib=gib, host_expert_cache_gib=1.0,
-                  enforce_eager=enforce_eager, enable_prefix_caching=False)  # fmt: skip
+                  enforce_eager=enforce_eager, enable_prefix_caching=False,
+                  expert_paging=False)  # fmt: skip
         got = [llm.generate([p], params)[0] for p in prompts]
         got += llm.generate(prompts[:2], params) + llm.generate(prompts, params)
         return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in got]
