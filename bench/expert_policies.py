@@ -101,14 +101,34 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 
 
+def pager_hit_rate(trace: list[list[int]], n_experts: int, slots: int) -> float:
+    """The hit rate of paged placement's device pager (`experts.paged.page_ref`: the same
+    decisions as the GPU's kernel) on one layer's trace, a token per forward, slots starting
+    with experts 0..slots-1 as `PagedExperts` does."""
+    from moestream.experts.paged import HEAT_HALF_LIFE, page_ref
+
+    heat = torch.zeros(n_experts)
+    slot_of = torch.full((n_experts,), -1, dtype=torch.int32)
+    slot_of[:slots] = torch.arange(slots, dtype=torch.int32)
+    owner = torch.arange(slots, dtype=torch.int32)
+    stats = torch.zeros(4, dtype=torch.int64)
+    decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
+    for experts in trace:
+        page_ref(torch.tensor([experts]), heat, slot_of, owner, stats, decay)
+    return int(stats[0]) / int(stats[:3].sum())
+
+
 def replay(routing: list[list[list[int]]], n_experts: int, slots: list[int]) -> dict[str, dict]:
-    """{policy: {slots: mean hit rate over layers}}, Belady included."""
+    """{policy: {slots: mean hit rate over layers}}, the device pager and Belady included."""
     table: dict[str, dict[int, float]] = {}
-    for name, opts in [*POLICIES.items(), ("belady (optimum)", {})]:
+    for name, opts in [*POLICIES.items(), ("device pager (paged)", {}), ("belady (optimum)", {})]:
         row = {}
         for s in slots:
             rates = []
             for trace in routing:
+                if name.startswith("device pager"):
+                    rates.append(pager_hit_rate(trace, n_experts, s))
+                    continue
                 if name.startswith("belady"):
                     r = simulate(trace, n_experts, s, lambda n, tr=trace: BeladyPolicy(n, tr))
                 else:
