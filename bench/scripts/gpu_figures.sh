@@ -1408,6 +1408,18 @@ PY
     bench_run paged50_c8 110 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24 \
       --temperature 1.0 --concurrency 8 --concurrency-prompt 32
     ;;
+  s31a)  # next session: what issue #7 still lacks with paged experts: 8 requests at 25% and
+    # 10%, batch 1 at 100% through paging's budget path (every expert in slots: the store keeps
+    # them resident) and the GPU tests after 52e66d0. Prediction: 8 requests t1 25% 300-420
+    # aggregate, 10% 180-300
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2 --temperature 1.0 --concurrency 8 --concurrency-prompt 32)
+    bench_run paged25_c8 110 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24
+    bench_run paged10_c8 110 "${base[@]}" --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24
+    ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
     # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,
