@@ -1409,9 +1409,8 @@ PY
       --temperature 1.0 --concurrency 8 --concurrency-prompt 32
     ;;
   s31a)  # next session: what issue #7 still lacks with paged experts: 8 requests at 25% and
-    # 10%, batch 1 at 100% through paging's budget path (every expert in slots: the store keeps
-    # them resident) and the GPU tests after 52e66d0. Prediction: 8 requests t1 25% 300-420
-    # aggregate, 10% 180-300
+    # 10%, and the GPU tests after 52e66d0. Prediction: 8 requests t1 25% 300-420 aggregate,
+    # 10% 180-300
     timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
       > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
     synth qwen3-30b-a3b q30
