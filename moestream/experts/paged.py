@@ -49,21 +49,19 @@ if TYPE_CHECKING:
 
 # The device counters of each layer and phase (`kernels.expert_pager`'s stats, in this order).
 STATS = ("slot_reads", "admitted_reads", "link_reads", "admissions")
-# Forwards of up to this many tokens page (decode batches: the fused kernel's integer-dot path
-# takes 32 tokens of 8 experts in one launch); longer ones read in place.
+# Forwards of up to this many tokens page (decode and verify batches); longer ones (prefill
+# chunks, which route to most experts) gather what they read into the stage without paging.
 PAGE_MAX_TOKENS = 32
 # Forwards after which an expert's heat halves: routing reuse is cyclic over a few hundred tokens
 # (the streamed store's window policy counts the last 256 tokens).
 HEAT_HALF_LIFE = 128
-
-
 PHASES = ("prefill", "decode")
 
 
 class PhaseRow:
     """Which row of the layers' counters a forward adds to, by the phase of its step
-    (`counters.phase_of`; the engine calls `enter_step` before each forward). A CUDA graph
-    keeps the row of the step it was captured in: decode graphs count as decode."""
+    (`counters.phase_of`; the engine calls `enter_step` before each forward). Forwards
+    captured in CUDA graphs count as decode (`PagedExperts._stats`)."""
 
     def __init__(self) -> None:
         self.row = PHASES.index("decode")
