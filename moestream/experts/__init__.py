@@ -243,4 +243,7 @@ def describe_placement(
     if slots == layout.n_experts:
         slots, refused = None, "every expert fits the device budget"
     summary["paged_slots"], summary["paged_refused"] = slots, refused
+    if slots is not None:  # a decode token's misses cross the link once, into their slots
+        hit = device_hit_rate if device_hit_rate is not None else slots / layout.n_experts
+        summary["paged_bytes_per_token"] = layout.top_k * layout.slot_bytes * (1.0 - hit)
     return summary

@@ -290,7 +290,8 @@ def format_placement(summary: dict[str, Any]) -> str:
     if s.get("paged_slots") is not None:
         graphs.append(
             f"{'on CUDA':16} paged (the default there): every expert in pinned host memory, "
-            f"{s['paged_slots']} device slots a layer paged by the GPU, whole CUDA graphs; "
+            f"{s['paged_slots']} device slots a layer paged by the GPU, whole CUDA graphs, "
+            f"{_mib(s['paged_bytes_per_token'])} copied to the device per token at {rate}; "
             "the lines above are the streamed placement (--expert-paging off)"
         )
     elif s.get("paged_refused"):

@@ -286,5 +286,8 @@ def test_info_says_which_placement_cuda_gets() -> None:
 
     paged_ = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 1.0))
     assert paged_["paged_slots"] >= 1 and "paged (the default there)" in format_placement(paged_)
+    at_half = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 1.0), device_hit_rate=0.5)
+    per_token = paged_["top_k"] * sum(paged_["expert_bytes"])  # every routed expert's bytes
+    assert at_half["paged_bytes_per_token"] == pytest.approx(0.5 * per_token)
     streamed = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 0.0))
     assert streamed["paged_slots"] is None and "not paged" in format_placement(streamed)
