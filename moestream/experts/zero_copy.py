@@ -79,7 +79,8 @@ class ExpertStage:
     """Device memory for one layer's host tier, shared by the layers of a model (they run one
     after another): per weight kind a byte buffer as large as the largest layer's host stack
     of that kind (a quant mix gives layers different row sizes), which `ZeroCopyExperts` fills
-    by one copy per kind before a long forward. Copies and reads are all on the current
+    by one copy per kind before a long forward (`experts.paged` gathers a forward's routed
+    experts into a whole layer's stack of it instead). Copies and reads are all on the current
     stream, so a layer's copy waits for the previous layer's reads."""
 
     def __init__(self, nbytes: Sequence[int], device: torch.device):
