@@ -16,13 +16,18 @@ of only the four small copies that put the placement back after each forward.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 
-from moestream.kernels import expert_pager
-from moestream.kernels.expert_pager import gather, page
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels_gpu import graph_time_us  # noqa: E402
+
+from moestream.kernels import expert_pager  # noqa: E402
+from moestream.kernels.expert_pager import gather, page  # noqa: E402
 
 
 def _layer(experts: int, slots: int, ffn: int, hidden: int):
@@ -58,25 +63,7 @@ def main() -> int:
     dma_dst = torch.empty_like(dma_src, device="cuda")
     print(f"{torch.cuda.get_device_name()}; E {e}, S {s}, {expert_mib:.2f} MiB an expert")
 
-    def timed(fn, n_forwards: int) -> float:
-        """Median us per forward of `fn` (8 forwards a graph replay)."""
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(n_forwards):
-                fn()
-        times = []
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / n_forwards)
-        return statistics.median(times)
-
-    dma = timed(lambda: dma_dst.copy_(dma_src, non_blocking=True), 1)
+    dma = graph_time_us([lambda: dma_dst.copy_(dma_src, non_blocking=True)], args.repeats)
     print(f"DMA of 8 experts: {dma:.1f} us, {dma_src.numel() * 4 / dma / 1e3:.1f} GB/s")
     print("| copy shape | missing | us a forward | GB/s of copies |")
     print("|---|---|---|---|")
@@ -112,7 +99,8 @@ def main() -> int:
                 for t, v in zip((slot_of, owner, heat, addr), saved, strict=True):
                     t.copy_(v)
 
-            us = timed(forward, 8) - timed(restore, 8)  # the pager's part of a forward
+            reps = args.repeats  # the pager's part of a forward:
+            us = graph_time_us([forward] * 8, reps) - graph_time_us([restore] * 8, reps)
             rate = missing * sum(sizes) / us / 1e3 if missing else 0.0
             print(f"| {per_sm}/SM x {warps} warps | {missing} | {us:.1f} | {rate:.1f} |")
     # the gather of forwards beyond the slots: n routed experts, half of them in slots
@@ -132,7 +120,7 @@ def main() -> int:
         def gathered(ids=ids):
             gather(ids, addr, stage_addr, stage_slot, copies, words)
 
-        us = timed(gathered, 4)
+        us = graph_time_us([gathered] * 4, args.repeats)
         print(f"| {n} | {us:.1f} | {n * sum(sizes) / us / 1e3:.1f} |")
     return 0
 

@@ -29,18 +29,14 @@ class ExpertsSection:
         store = getattr(ctx.llm, "expert_store", None)
         zero_copy = getattr(ctx.llm, "zero_copy", None)
         paged = getattr(ctx.llm, "paged", None)
-        if paged:  # experts paged into slots by the device: reads by where they were served
+        if paged or zero_copy:  # reads by where they were served instead of a store's traffic
             from moestream.experts.paged import paged_snapshot
-
-            budgets = {"device": sum(p.nbytes["device"] for p in paged)}
-            budgets["host"] = sum(p.nbytes["host"] for p in paged)
-            return {"counters": paged_snapshot(paged), "budgets": budgets}
-        if zero_copy:  # experts read in place: reads per tier instead of a store's traffic
             from moestream.experts.zero_copy import zero_copy_snapshot
 
-            budgets = {"device": sum(p.nbytes["device"] for p in zero_copy)}
-            budgets["host"] = sum(p.nbytes["host"] for p in zero_copy)
-            return {"counters": zero_copy_snapshot(zero_copy), "budgets": budgets}
+            providers = paged or zero_copy
+            counters = paged_snapshot(paged) if paged else zero_copy_snapshot(zero_copy)
+            budgets = {k: sum(p.nbytes[k] for p in providers) for k in ("device", "host")}
+            return {"counters": counters, "budgets": budgets}
         if store is None:
             return None
         return {

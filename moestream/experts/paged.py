@@ -16,8 +16,8 @@ host tier is inclusive (all experts), so an evicted expert needs no copy back.
 
 The layer then runs the same fused MoE call as a resident layer (`ops.moe_forward` over a stack
 and an expert-to-slot table), so its method and bits are the resident model's at every batch:
-- over the device slots when every routed expert is in one after paging (`fits_slots`: the
-  forward pages and T x k <= S, so the free slots cover what is missing);
+- over the device slots when every routed expert is in one after paging (the forward pages
+  and T x k <= S, so the free slots cover what is missing);
 - else (prefill chunks, batches beyond the slots) over the stage, a stack of E slots shared by
   the layers (on CUDA, out of the device budget), into which a gather copies the forward's
   routed experts in expert order from wherever they are (slots at device speed, the rest across
@@ -101,8 +101,8 @@ class PagedExperts:
             dev = torch.empty_like(host[:n_slots], device=self.device)  # [S, rows, rb]
             dev.copy_(host[:n_slots])  # experts 0..S-1 to start (a copy even on the CPU)
             self._dev.append(QTensor(dev, w.qtype, (n_slots, *w.shape[1:])))
-        self._expert_bytes = sum(w.data[0].numel() for w in self._host)
-        nbytes = [w.data[0].numel() for w in self._host]
+        nbytes = [w.data[0].numel() for w in self._host]  # one expert's gate, up, down
+        self._expert_bytes = sum(nbytes)
         if any(n % 16 for n in nbytes) or any(w.data.data_ptr() % 16 for w in self._dev):
             raise UnsupportedError("expert byte sizes are not multiples of 16: no paging")
         self._words = tuple(n // 4 for n in nbytes)
@@ -141,30 +141,24 @@ class PagedExperts:
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         return self.stats[PHASES.index("decode") if capturing else self.phase.row]
 
-    def fits_slots(self, ids: torch.Tensor) -> bool:
-        """Whether every expert that a forward routed to ids [T, k] reads sits in a slot once it
-        has paged: every expert has one, or the forward pages and T x k <= S (the free slots
-        then cover the missing experts)."""
-        if self.n_slots == self.num_experts:
-            return True
-        return ids.shape[0] <= PAGE_MAX_TOKENS and ids.numel() <= self.n_slots
-
     def prepare(self, ids: torch.Tensor) -> tuple[QTensor, QTensor, QTensor, torch.Tensor]:
         """(gate, up, down stacks, expert-to-slot table [E] int32) holding every expert that ids
-        [T, k] routes to, for one fused MoE call (`ops.moe_forward`): the device slots after
-        paging when they hold them all (`fits_slots`), else the stage after a gather (module
+        [T, k] routes to, for one fused MoE call (`ops.moe_forward`): the device slots when
+        every expert has one, or after paging when the forward pages and T x k <= S (the free
+        slots then cover the missing experts); else the stage after a gather (module
         docstring). Everything is queued on the current stream (CUDA)."""
         from moestream.kernels.expert_pager import gather, page
 
+        slots = (*self._dev, self.slot_of)
         if self.n_slots == self.num_experts:  # every expert in a slot: nothing to page
-            return (*self._dev, self.slot_of)  # type: ignore[return-value]
+            return slots  # type: ignore[return-value]
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
         page(
             ids, self.heat, self.slot_of, self.owner, self.addr, self.host_addr, self.slot_addr,
             self._copies, self._stats(), self._words, self.decay, admit,
         )  # fmt: skip
-        if self.fits_slots(ids):
-            return (*self._dev, self.slot_of)  # type: ignore[return-value]
+        if admit and ids.numel() <= self.n_slots:
+            return slots  # type: ignore[return-value]
         if self.stage_addr is None:
             raise ValueError("this layer has no stage: a forward beyond its slots cannot run")
         gather(ids, self.addr, self.stage_addr, self.stage_slot, self._copies, self._words)
@@ -220,20 +214,17 @@ def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
     the same per phase under "phases"."""
     if not providers:
         return {}
-    stats = torch.stack([p.stats for p in providers])  # [layer, phase, counter]
+    stats = torch.stack([p.stats for p in providers]).cpu()  # [layer, phase, counter]
     per = torch.tensor([p.expert_bytes for p in providers], dtype=torch.int64)
-    # bytes per phase: each layer's admissions and link reads at its own expert size
-    moved = (stats[:, :, [3, 2]].cpu() * per[:, None, None]).sum(0).tolist()  # [phase][2]
-    rows = stats.sum(0).tolist()  # [phase][counter]
-    phases = {
-        ph: _rates(dict(zip(STATS, r, strict=True)), *m)
-        for ph, r, m in zip(PHASES, rows, moved, strict=True)
-    }
-    total = {k: sum(phases[ph][k] for ph in PHASES) for k in (*STATS, "admitted_bytes")}
-    total["link_bytes"] = sum(phases[ph]["link_bytes"] for ph in PHASES)
-    out: dict[str, Any] = _rates(total, total["admitted_bytes"], 0)
-    out["link_bytes"] = total["link_bytes"]
-    out["phases"] = phases
+    # each layer's admissions and link reads at its own expert size: [phase, 2]
+    moved = (stats[:, :, [3, 2]] * per[:, None, None]).sum(0)
+    rows = stats.sum(0)  # [phase, counter]
+
+    def rates(counts: torch.Tensor, nbytes: torch.Tensor) -> dict[str, Any]:
+        return _rates(dict(zip(STATS, counts.tolist(), strict=True)), *nbytes.tolist())
+
+    out = rates(rows.sum(0), moved.sum(0))
+    out["phases"] = {ph: rates(rows[i], moved[i]) for i, ph in enumerate(PHASES)}
     return out
 
 
@@ -241,7 +232,7 @@ def _rates(c: dict[str, int], admitted_bytes: int, link_read_bytes: int) -> dict
     device = c["slot_reads"] + c["admitted_reads"]
     total = device + c["link_reads"]
     return {
-        **{k: c[k] for k in STATS},
+        **c,
         "admitted_bytes": admitted_bytes,
         "link_bytes": admitted_bytes + link_read_bytes,  # the copies and the reads across
         "device_read_share": device / total if total else 0.0,

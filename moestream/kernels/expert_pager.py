@@ -48,6 +48,17 @@ COPY_WARPS = 4
 
 
 @triton.jit
+def _reads(ids_ptr, N, e, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_E] int32: how many of the N routed ids at ids_ptr name each expert e."""
+    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for j0 in range(0, N, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        ids = tl.load(ids_ptr + j, mask=j < N, other=-1).to(tl.int32)
+        cnt += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    return cnt
+
+
+@triton.jit
 def _pager_kernel(
     ids_ptr, N, heat_ptr, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr, slot_addr_ptr,
     copy_ptr, stats_ptr, decay,
@@ -57,11 +68,7 @@ def _pager_kernel(
     pdl_start(PDL)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)  # this forward's reads of each expert
-    for j0 in range(0, N, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(ids_ptr + j, mask=j < N, other=-1).to(tl.int32)
-        cnt += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    cnt = _reads(ids_ptr, N, e, BLOCK_E, BLOCK_N)  # this forward's reads of each expert
     slot_of = tl.load(slot_of_ptr + e, mask=emask, other=-1)
     on_slot = slot_of >= 0
     slot_reads = tl.sum(tl.where(on_slot, cnt, 0))
@@ -168,11 +175,7 @@ def _gather_list_kernel(
     stage_slot[e] = p and list = [n, (e, p), ...] for `_copy_kernel`."""
     pdl_start(PDL)
     e = tl.arange(0, BLOCK_E)
-    cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for j0 in range(0, N, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        ids = tl.load(ids_ptr + j, mask=j < N, other=-1).to(tl.int32)
-        cnt += tl.sum((ids[None, :] == e[:, None]).to(tl.int32), axis=1)
+    cnt = _reads(ids_ptr, N, e, BLOCK_E, BLOCK_N)
     routed = (cnt > 0) & (e < E)
     flag = routed.to(tl.int32)
     pos = tl.cumsum(flag, axis=0) - flag
