@@ -5,7 +5,8 @@
    layer (the next layer's router applied to this layer's FFN input).
 2. Replays each layer's routing, token by token as decode sees it, through each policy at each
    cache size with the store's own slot directory (`moestream.experts.policy.simulate`), and
-   prints the device hit rate (mean over layers), with Belady's offline optimum as the ceiling.
+   prints the device hit rate (mean over layers), with Belady's offline optimum as the ceiling;
+   the device pager of paged placement also with its prefetch of the prediction.
 3. With `--store-tokens N`, decodes N tokens through a real `ExpertStore` per policy (smallest
    cache, nothing in host RAM) and prints its counters: hit rate, prediction recall, prefetch
    accuracy, stall per token and bytes read from disk per token, over the whole run and over
@@ -101,33 +102,48 @@ POLICIES: dict[str, dict[str, Any]] = {
 }
 
 
-def pager_hit_rate(trace: list[list[int]], n_experts: int, slots: int) -> float:
+def pager_hit_rate(
+    trace: list[list[int]], n_experts: int, slots: int, predicted: list[list[int]] | None = None
+) -> float:
     """The hit rate of paged placement's device pager (`experts.paged.page_ref`: the same
     decisions as the GPU's kernel) on one layer's trace, a token per forward, slots starting
-    with experts 0..slots-1 as `PagedExperts` does."""
-    from moestream.experts.paged import HEAT_HALF_LIFE, page_ref
+    with experts 0..slots-1 as `PagedExperts` does; with `predicted` (the layer's experts as
+    the layer before predicted them, a token per forward), each forward after its prediction's
+    prefetch (`PagedExperts.predict`)."""
+    from moestream.experts.paged import HEAT_HALF_LIFE, STATS, page_ref
 
     heat = torch.zeros(n_experts)
     slot_of = torch.full((n_experts,), -1, dtype=torch.int32)
     slot_of[:slots] = torch.arange(slots, dtype=torch.int32)
     owner = torch.arange(slots, dtype=torch.int32)
-    stats = torch.zeros(4, dtype=torch.int64)
+    stats = torch.zeros(len(STATS), dtype=torch.int64)
+    mark, gate = torch.zeros(n_experts, dtype=torch.int8), torch.zeros(2)
     decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
-    for experts in trace:
-        page_ref(torch.tensor([experts]), heat, slot_of, owner, stats, decay)
+    for t, experts in enumerate(trace):
+        args = (heat, slot_of, owner, stats, decay, True, mark, gate)
+        if predicted is not None:
+            page_ref(torch.tensor([predicted[t]]), *args, predict=True)
+        page_ref(torch.tensor([experts]), *args)
     return int(stats[0]) / int(stats[:3].sum())
 
 
-def replay(routing: list[list[list[int]]], n_experts: int, slots: list[int]) -> dict[str, dict]:
-    """{policy: {slots: mean hit rate over layers}}, the device pager and Belady included."""
+def replay(
+    routing: list[list[list[int]]], n_experts: int, slots: list[int], predicted: list
+) -> dict[str, dict]:
+    """{policy: {slots: mean hit rate over layers}}, the device pager (with and without the
+    prediction, over layers 1.. which have one) and Belady included."""
     table: dict[str, dict[int, float]] = {}
-    for name, opts in [*POLICIES.items(), ("device pager (paged)", {}), ("belady (optimum)", {})]:
+    pager = ("device pager (paged)", "device pager, layers 1..", "device pager + prediction")
+    for name, opts in [*POLICIES.items(), *((p, {}) for p in pager), ("belady (optimum)", {})]:
         row = {}
         for s in slots:
             rates = []
-            for trace in routing:
+            for layer, trace in enumerate(routing):
                 if name.startswith("device pager"):
-                    rates.append(pager_hit_rate(trace, n_experts, s))
+                    if layer == 0 and name != pager[0]:
+                        continue
+                    pred = predicted[layer] if name == pager[2] else None
+                    rates.append(pager_hit_rate(trace, n_experts, s, pred))
                     continue
                 if name.startswith("belady"):
                     r = simulate(trace, n_experts, s, lambda n, tr=trace: BeladyPolicy(n, tr))
@@ -215,7 +231,7 @@ def main() -> None:
         f"routing of {len(ids)} held-out tokens recorded in {time.perf_counter() - start:.1f} s\n"
     )
     slots = [int(s) for s in args.slots.split(",")]
-    table = replay(routing, c.n_experts, slots)
+    table = replay(routing, c.n_experts, slots, predicted)
     print("Device hit rate, mean over layers, by cache size (experts per layer of "
           f"{c.n_experts}; decode order, one token per forward):\n")  # fmt: skip
     print("| policy | " + " | ".join(f"{s} slots" for s in slots) + " |")

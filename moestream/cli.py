@@ -176,6 +176,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--host-expert-cache-gib H` says), else streamed; off: always streamed (docs/experts.md)",
     )
     e.add_argument(
+        "--expert-prediction",
+        choices=["on", "off"],
+        default="on",
+        help="with paged experts: each layer applies the next layer's router to its own FFN "
+        "input and pages the experts it names into the next layer's slots on a side stream "
+        "while this layer computes, as long as at least half of what such predictions name "
+        "outside the slots is then routed (counted in bench's experts section and /metrics)",
+    )
+    e.add_argument(
         "--expert-rebalance-steps",
         type=int,
         default=64,
@@ -421,6 +430,7 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict:
         "expert_cpu_threads": args.expert_cpu_threads,
         "expert_prefill_stage": args.expert_prefill_stage,
         "expert_paging": {"auto": None, "on": True, "off": False}[args.expert_paging],
+        "expert_prediction": args.expert_prediction == "on",
         "expert_direct_io": args.expert_direct_io,
         "weight_cache_gib": args.weight_cache_gib,
         "num_threads": args.threads,

@@ -137,7 +137,9 @@ class LLM:
     (`experts.paged`: no host work, CUDA graphs stay on). None (the default) pages on CUDA
     wherever the budgets allow (the host budget holds every expert, the device budget a layer's
     experts and a slot a layer, kernel-path types) and streams otherwise; False always streams.
-    `expert_direct_io` reads
+    Paged layers predict the next layer's experts (its router applied to their FFN input) and
+    prefetch them while such predictions are mostly right (`PagedExperts.predict`);
+    `expert_prediction=False` turns that off. `expert_direct_io` reads
     streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
@@ -173,6 +175,7 @@ class LLM:
         expert_cpu_threads: int | None = None,
         expert_prefill_stage: bool = False,
         expert_paging: bool | None = None,
+        expert_prediction: bool = True,
         expert_direct_io: bool = False,
         weight_cache_gib: float | None = None,
     ):
@@ -235,7 +238,7 @@ class LLM:
             # the GPU before each decode forward of a layer.
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
             self.paged = attach_paged(
-                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib
+                self.model, float(gpu_expert_cache_gib), host_expert_cache_gib, expert_prediction
             )
         elif budgets.streaming:
             # Experts live in tiers (device slots, host RAM, the file); the rest is resident.

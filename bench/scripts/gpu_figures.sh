@@ -1419,6 +1419,47 @@ PY
     bench_run paged25_c8 110 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24
     bench_run paged10_c8 110 "${base[@]}" --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24
     ;;
+  s32a)  # paged experts with the next layer's prediction prefetched on a side stream (default
+    # on; the decode counters no longer count the captures' warm-ups): the GPU tests (graphs
+    # with the side stream inside), then the trained tiny MoE at 3 of 8 slots with and without
+    # the prediction, in turn, beside resident. Prediction: tests pass; tiny model: on >= off
+    # + 5% (its router predicts ~85% of the next layer's experts), both below resident
+    timeout 200 python3 -m pytest tests/experts/test_paged.py tests/runner/test_cuda_graph.py \
+      -q -p no:cacheprovider --tb=short > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    tiny=(moestream/data/tiny-qwen3-moe-Q4_K_M.gguf --device cuda --kv-cache-gib 1
+      --prompt-lens 32 --decode-depths 0 --decode-tokens 128 --repeats 3)
+    for arm in on off on off; do
+      bench_run "tiny3_$arm" 60 "${tiny[@]}" --gpu-expert-cache-gib 0.0058 \
+        --host-expert-cache-gib 1 --expert-prediction $arm
+    done
+    bench_run tiny_resident 60 "${tiny[@]}"
+    ;;
+  s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
+    # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
+    # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    for arm in on off; do
+      bench_run "p25_t1_$arm" 100 "${base[@]}" --gpu-expert-cache-gib 4.4 \
+        --host-expert-cache-gib 24 --temperature 1.0 --expert-prediction $arm
+    done
+    for arm in on off; do
+      bench_run "p50_$arm" 100 "${base[@]}" --gpu-expert-cache-gib 8.8 \
+        --host-expert-cache-gib 24 --expert-prediction $arm
+    done
+    bench_run resident 80 "${base[@]}"
+    ;;
+  s32c)  # issue #7's missing figures: 8 requests at temperature 1 with 25% and 10% paged; the
+    # rest on disk at 10% (O_DIRECT, no host tier: the streamed store). Prediction: 8 requests
+    # 25% 300-420 aggregate, 10% 180-300; disk 10% 1-5 tok/s
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2 --temperature 1.0 --concurrency 8 --concurrency-prompt 32)
+    bench_run paged25_c8 130 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24
+    bench_run paged10_c8 130 "${base[@]}" --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24
+    disk 1.76 240 1
+    ;;
   s28a)  # the host tier's demand misses queued on the compute stream (a copy on the GPU's own
     # stream, no hand-off to an I/O thread; s27b's question: a demand miss stalled ~770 us
     # where its 3 MB copy needs ~60-120 us) against the demand pool, in turn (T F T F), batch 1,

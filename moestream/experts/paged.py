@@ -32,6 +32,7 @@ Letters: E experts, S device slots per layer, T tokens, k experts per token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +48,13 @@ from moestream.weights.qtensor import QTensor
 if TYPE_CHECKING:
     from moestream.types import StepPlan
 
-# The device counters of each layer and phase (`kernels.expert_pager`'s stats, in this order).
-STATS = ("slot_reads", "admitted_reads", "link_reads", "admissions")
+# The device counters of each layer and phase (`kernels.expert_pager`'s stats, in this order):
+# reads by where they were served; admissions; experts a prediction named outside the slots,
+# and of those routed; experts prefetched, and of those routed.
+STATS = (
+    "slot_reads", "admitted_reads", "link_reads", "admissions",
+    "predicted", "predicted_used", "prefetched", "prefetched_used",
+)  # fmt: skip
 # Forwards of up to this many tokens page (decode and verify batches); longer ones (prefill
 # chunks, which route to most experts) gather what they read into the stage without paging.
 PAGE_MAX_TOKENS = 32
@@ -56,6 +62,10 @@ PAGE_MAX_TOKENS = 32
 # (the streamed store's window policy counts the last 256 tokens).
 HEAT_HALF_LIFE = 128
 PHASES = ("prefill", "decode")
+# A prediction is prefetched while at least this share of the experts that predictions named
+# outside the slots (over recent forwards, decayed like the heat) was then routed: a wrong
+# prefetch costs a copy over the link and evicts an expert.
+PREFETCH_MIN_PRECISION = 0.5
 
 
 class PhaseRow:
@@ -115,7 +125,18 @@ class PagedExperts:
         self.slot_of[:n_slots] = torch.arange(n_slots, dtype=torch.int32)
         self.owner = torch.arange(n_slots, dtype=torch.int32, device=ptr)  # [S] expert or -1
         self.heat = torch.zeros(e, dtype=torch.float32, device=ptr)
-        self.stats = torch.zeros(len(PHASES), len(STATS), dtype=torch.int64, device=ptr)
+        # a row per phase, and one that capture warm-ups (padding rows) count into, unread
+        self.stats = torch.zeros(len(PHASES) + 1, len(STATS), dtype=torch.int64, device=ptr)
+        # The prediction of this layer's next forward (made by the MoE layer before, `predict`):
+        # the experts it named outside the slots (1) or prefetched (2), scored and cleared by
+        # the forward's own paging; and [named, routed] over recent forwards, decayed (its gate).
+        self.mark = torch.zeros(e, dtype=torch.int8, device=ptr)
+        self.gate = torch.zeros(2, dtype=torch.float32, device=ptr)
+        # The next MoE layer and its router (`attach_paged`): this layer predicts its experts.
+        self.next: PagedExperts | None = None
+        self.next_router: QTensor | None = None
+        self.top_k = 0
+        self._pending: tuple[Any, ...] | None = None  # a queued prediction: (stream, tensors)
         self.phase = phase or PhaseRow()
         self._copies = torch.zeros(1 + 2 * e, dtype=torch.int32, device=ptr)  # kernels' lists
         self.decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
@@ -136,27 +157,43 @@ class PagedExperts:
 
     # ---- paging ------------------------------------------------------------------------------
     def _stats(self) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return self.stats[self.phase.row]
+        from moestream.runner.cuda_graph import warming_up
+
+        if warming_up():  # a capture's warm-up: padding rows, not a step
+            return self.stats[len(PHASES)]
         # CUDA graphs run decode and verify steps only (a warm-up may capture them after a
         # prompt's eager step: the phase must not come from the step before)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = torch.cuda.is_current_stream_capturing()
         return self.stats[PHASES.index("decode") if capturing else self.phase.row]
+
+    def _page(self, ids: torch.Tensor, admit: bool, predict: bool = False) -> None:
+        from moestream.kernels.expert_pager import page
+
+        page(
+            ids, self.heat, self.slot_of, self.owner, self.addr, self.host_addr, self.slot_addr,
+            self._copies, self._stats(), self.mark, self.gate, self._words, self.decay, admit,
+            predict, PREFETCH_MIN_PRECISION, _prefetch_programs(self.device) if predict else None,
+        )  # fmt: skip
 
     def prepare(self, ids: torch.Tensor) -> tuple[QTensor, QTensor, QTensor, torch.Tensor]:
         """(gate, up, down stacks, expert-to-slot table [E] int32) holding every expert that ids
         [T, k] routes to, for one fused MoE call (`ops.moe_forward`): the device slots when
         every expert has one, or after paging when the forward pages and T x k <= S (the free
         slots then cover the missing experts); else the stage after a gather (module
-        docstring). Everything is queued on the current stream (CUDA)."""
-        from moestream.kernels.expert_pager import gather, page
+        docstring). Everything is queued on the current stream (CUDA), after the prediction's
+        prefetch for this forward, if one is queued (`predict`)."""
+        from moestream.kernels.expert_pager import gather
 
         slots = (*self._dev, self.slot_of)
         if self.n_slots == self.num_experts:  # every expert in a slot: nothing to page
             return slots  # type: ignore[return-value]
+        if self._pending is not None:  # the prefetch wrote the tables and slots: join it
+            torch.cuda.current_stream(self.device).wait_stream(self._pending[0])
+            self._pending = None
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
-        page(
-            ids, self.heat, self.slot_of, self.owner, self.addr, self.host_addr, self.slot_addr,
-            self._copies, self._stats(), self._words, self.decay, admit,
-        )  # fmt: skip
+        self._page(ids, admit)
         if admit and ids.numel() <= self.n_slots:
             return slots  # type: ignore[return-value]
         if self.stage_addr is None:
@@ -168,10 +205,42 @@ class PagedExperts:
         """The CPU's paging (`page_ref`: the same decisions, bytes copied by torch) for a
         forward routed to ids [T, k]; its per-expert path then reads `weights(e)`."""
         admit = ids.shape[0] <= PAGE_MAX_TOKENS
-        moves = page_ref(ids, self.heat, self.slot_of, self.owner, self._stats(), self.decay, admit)
+        self._move(self._page_ref(ids, admit))
+
+    def _page_ref(self, ids: torch.Tensor, admit: bool, predict: bool = False) -> list:
+        return page_ref(
+            ids, self.heat, self.slot_of, self.owner, self._stats(), self.decay, admit,
+            self.mark, self.gate, predict,
+        )  # fmt: skip
+
+    def _move(self, moves: list[tuple[int, int]]) -> None:
         for e, s in moves:
             for k in range(3):
                 self._dev[k].data[s].copy_(self._host[k].data[e])
+
+    def predict(self, x: torch.Tensor) -> None:
+        """Predict the next MoE layer's experts for the forward of x [T, H] (this layer's FFN
+        input, the next layer's router applied to it: consecutive layers' hidden states are
+        close) and page them into its slots while the prediction pays (`page`'s gate). On CUDA
+        it is queued on a side stream after what the current stream has queued, so that the
+        copies overlap this layer's compute; the next layer's `prepare` waits for it. Forwards
+        that page only (up to `PAGE_MAX_TOKENS` tokens)."""
+        nxt, router = self.next, self.next_router
+        if nxt is None or router is None or x.shape[0] > PAGE_MAX_TOKENS:
+            return
+        if nxt.n_slots == nxt.num_experts:
+            return
+        from moestream.layers.moe import route
+
+        if self.device.type != "cuda":
+            nxt._move(nxt._page_ref(route(x, router, self.top_k, False)[1], True, predict=True))
+            return
+        side, counters = _prediction_stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            ids = route(x, router, self.top_k, False, counters)[1]
+            nxt._page(ids, True, predict=True)
+        nxt._pending = (side, x, ids)  # kept until the join: the side stream reads them
 
     # ---- ExpertProvider ----------------------------------------------------------------------
     @property
@@ -206,18 +275,43 @@ class PagedExperts:
         }
 
 
+@functools.cache
+def _prediction_stream(device: torch.device) -> tuple[torch.cuda.Stream, torch.Tensor | None]:
+    """The stream that predictions are routed and paged on, one a device (so one prediction
+    at a time), and the router arrival counters its launches share (`attach_paged` makes them
+    before any graph capture)."""
+    from moestream.kernels import ops
+
+    counters = None
+    if ops.HAS_TRITON:
+        from moestream.kernels.router import route_counters
+
+        counters = route_counters(device)
+    return torch.cuda.Stream(device), counters
+
+
+@functools.cache
+def _prefetch_programs(device: torch.device) -> int:
+    """The prefetch's copy grid: a program a SM (as fast over the link as more: bench/paging.py),
+    leaving room for the compute it overlaps."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
     """Reads by where they came from over all layers so far (one device sync): slots that held
     the expert, slots it was admitted to for that forward, host memory (across the link into
-    the stage); admissions and the bytes they copied; the bytes over the host link; the share
-    of reads served from device slots and the share found already in slots (the hit rate);
-    the same per phase under "phases"."""
+    the stage); admissions and the bytes they copied; the predictions' experts named outside
+    the slots and prefetched, with the shares of each that were routed (precision, prefetch
+    accuracy) and the bytes prefetched; the bytes over the host link; the share of reads
+    served from device slots and the share found already in slots (the hit rate); the same
+    per phase under "phases"."""
     if not providers:
         return {}
-    stats = torch.stack([p.stats for p in providers]).cpu()  # [layer, phase, counter]
+    # [layer, phase, counter] (not the warm-ups' row)
+    stats = torch.stack([p.stats[: len(PHASES)] for p in providers]).cpu()
     per = torch.tensor([p.expert_bytes for p in providers], dtype=torch.int64)
-    # each layer's admissions and link reads at its own expert size: [phase, 2]
-    moved = (stats[:, :, [3, 2]] * per[:, None, None]).sum(0)
+    # each layer's admissions, link reads and prefetches at its own expert size: [phase, 3]
+    moved = (stats[:, :, [3, 2, 6]] * per[:, None, None]).sum(0)
     rows = stats.sum(0)  # [phase, counter]
 
     def rates(counts: torch.Tensor, nbytes: torch.Tensor) -> dict[str, Any]:
@@ -228,15 +322,25 @@ def paged_snapshot(providers: Sequence[PagedExperts]) -> dict[str, Any]:
     return out
 
 
-def _rates(c: dict[str, int], admitted_bytes: int, link_read_bytes: int) -> dict[str, Any]:
+def _rates(
+    c: dict[str, int], admitted_bytes: int, link_read_bytes: int, prefetched_bytes: int
+) -> dict[str, Any]:
     device = c["slot_reads"] + c["admitted_reads"]
     total = device + c["link_reads"]
+
+    def share(a: int, b: int) -> float:
+        return a / b if b else 0.0
+
     return {
         **c,
         "admitted_bytes": admitted_bytes,
-        "link_bytes": admitted_bytes + link_read_bytes,  # the copies and the reads across
-        "device_read_share": device / total if total else 0.0,
-        "slot_hit_rate": c["slot_reads"] / total if total else 0.0,
+        "prefetched_bytes": prefetched_bytes,
+        # the copies (paged and prefetched) and the reads across
+        "link_bytes": admitted_bytes + link_read_bytes + prefetched_bytes,
+        "device_read_share": share(device, total),
+        "slot_hit_rate": share(c["slot_reads"], total),
+        "prediction_precision": share(c["predicted_used"], c["predicted"]),
+        "prefetch_accuracy": share(c["prefetched_used"], c["prefetched"]),
     }
 
 
@@ -250,13 +354,19 @@ def paged_metric_families(
         "link_reads": "Expert reads from host memory over the link (not paged into a slot)",
         "admissions": "Experts paged into device slots",
         "admitted_bytes": "Expert bytes paged into device slots",
-        "link_bytes": "Expert bytes over the host link (reads and paging)",
+        "predicted": "Experts that next-layer predictions named outside the device slots",
+        "predicted_used": "Experts named by a prediction that the forward then routed",
+        "prefetched": "Experts paged into device slots ahead of their layer by a prediction",
+        "prefetched_used": "Prefetched experts that the forward then routed",
+        "prefetched_bytes": "Expert bytes prefetched into device slots",
+        "link_bytes": "Expert bytes over the host link (reads, paging and prefetches)",
     }
     for name, doc in docs.items():
         yield f"moestream_expert_paged_{name}", doc, "counter", float(snapshot[name])
     for name, doc in (
         ("device_read_share", "Share of expert reads served from device memory"),
         ("slot_hit_rate", "Share of paging forwards' expert reads found in slots"),
+        ("prefetch_accuracy", "Share of prefetched experts that the forward then routed"),
     ):
         yield f"moestream_expert_paged_{name}", doc, "gauge", float(snapshot[name])
 
@@ -315,11 +425,13 @@ def attach_paged(
     model: object,
     gpu_expert_cache_gib: float,
     host_expert_cache_gib: float | None = None,
+    predict: bool = True,
 ) -> list[PagedExperts]:
     """Replace every MoE layer's experts of `model` (built with `defer_expert_tensors`, so its
     stacks are host views of the file) by `PagedExperts` with the device slots per layer of
     `plan_paging` (nothing is replaced when it raises) and, on CUDA, one stage shared by the
-    layers. All experts go to pinned host memory."""
+    layers. All experts go to pinned host memory. With `predict`, each layer predicts the next
+    one's experts (`PagedExperts.predict`)."""
     moes = list(model.moe_layers())  # type: ignore[attr-defined]
     if not moes:
         raise UnsupportedError("paged expert placement applies to MoE models only")
@@ -339,6 +451,12 @@ def attach_paged(
         provider = PagedExperts(st, n_slots, device, stage, phase)
         moe.experts = provider
         providers.append(provider)
+    if predict and n_slots < e:
+        if cuda:
+            _prediction_stream(device)  # made now, outside any graph capture
+        for i, (moe, provider) in enumerate(zip(moes[:-1], providers[:-1])):
+            provider.next, provider.next_router = providers[i + 1], moes[i + 1].router
+            provider.top_k = moe.top_k
     return providers
 
 
@@ -350,25 +468,62 @@ def page_ref(
     stats: torch.Tensor,
     decay: float,
     admit: bool = True,
+    mark: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    predict: bool = False,
+    min_precision: float = PREFETCH_MIN_PRECISION,
 ) -> list[tuple[int, int]]:
-    """`kernels.expert_pager.page`'s decision in torch, updating heat, slot_of, owner and stats
-    in place; returns the admissions as (expert, slot), in the kernel's copy order. The caller
-    moves the bytes."""
+    """`kernels.expert_pager.page`'s decision in torch, updating heat, slot_of, owner, stats,
+    mark and gate in place (mark and gate: the prediction's state, fresh when None); returns
+    the admissions as (expert, slot), in the kernel's copy order. The caller moves the bytes."""
     e = slot_of.numel()
+    mark = torch.zeros(e, dtype=torch.int8) if mark is None else mark
+    gate = torch.zeros(2) if gate is None else gate
     cnt = torch.bincount(ids.reshape(-1).long(), minlength=e)[:e].to(torch.int32)
     on_slot = slot_of >= 0
-    stats[0] += int(cnt[on_slot].sum())
     missing = (cnt > 0) & ~on_slot
+    if predict:  # a prediction of the next forward: mark, and prefetch while it pays
+        mark.copy_(missing.to(torch.int8))
+        stats[4] += int(missing.sum())
+        moves = []
+        if missing.any() and float(gate[1]) >= min_precision * float(gate[0]):
+            moves = _admit_ref(missing, cnt > 0, heat, slot_of, owner)
+            mark[[x for x, _ in moves]] = 2
+        stats[6] += len(moves)
+        return moves
+    used = (cnt > 0) & (mark > 0)  # the prediction's experts that this forward routes
+    gate.mul_(decay).add_(torch.tensor([float((mark > 0).sum()), float(used.sum())]))
+    stats[5] += int(used.sum())
+    stats[7] += int((used & (mark == 2)).sum())
+    mark.zero_()
+    stats[0] += int(cnt[on_slot].sum())
     if not admit:
         stats[2] += int(cnt[missing].sum())
         return []
     heat.mul_(decay).add_(cnt.float())
+    moves = _admit_ref(missing, cnt > 0, heat, slot_of, owner)
+    hot = torch.nonzero(missing).flatten().tolist()
+    admitted = {x for x, _ in moves}
+    stats[1] += sum(int(cnt[x]) for x in admitted)
+    stats[2] += sum(int(cnt[x]) for x in hot if x not in admitted)
+    stats[3] += len(moves)
+    return moves
+
+
+def _admit_ref(
+    missing: torch.Tensor,
+    named: torch.Tensor,
+    heat: torch.Tensor,
+    slot_of: torch.Tensor,
+    owner: torch.Tensor,
+) -> list[tuple[int, int]]:
+    """The missing experts, hottest first (ties: lower id), into the slots of the coldest
+    experts that `named` does not name (empty slots first; ties: lower slot); tables updated."""
     hot = sorted(torch.nonzero(missing).flatten().tolist(), key=lambda x: (-float(heat[x]), x))
-    routed = cnt > 0
     free = [
         (-1.0 if o < 0 else float(heat[o]), i)
         for i, o in enumerate(owner.tolist())
-        if o < 0 or not bool(routed[o])
+        if o < 0 or not bool(named[o])
     ]
     free.sort()
     moves = list(zip(hot, (i for _, i in free)))
@@ -378,8 +533,4 @@ def page_ref(
             slot_of[old] = -1
         slot_of[x] = i
         owner[i] = x
-    admitted = {x for x, _ in moves}
-    stats[1] += sum(int(cnt[x]) for x in admitted)
-    stats[2] += sum(int(cnt[x]) for x in hot if x not in admitted)
-    stats[3] += len(moves)
     return moves

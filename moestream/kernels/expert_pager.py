@@ -59,76 +59,115 @@ def _reads(ids_ptr, N, e, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _admit(
+    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr,
+    slot_addr_ptr, copy_ptr, E: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Admit the `missing` experts (hottest first by `heat`; ties: lower id) into the slots of
+    the coldest experts that `cnt` does not name (an empty slot first; ties: lower slot):
+    rewrite slot_of, owner and addr, write the copy list. Returns ([BLOCK_E] admitted, n)."""
+    s = tl.arange(0, BLOCK_S)
+    owner = tl.load(owner_ptr + s, mask=s < S, other=-1)
+    held = owner[:, None] == e[None, :]  # [BS, BE]: slot s holds expert e
+    owner_heat = tl.sum(tl.where(held, heat[None, :], 0.0), axis=1)
+    owner_named = tl.sum((held & (cnt[None, :] > 0)).to(tl.int32), axis=1) > 0
+    free = (s < S) & ~owner_named  # slots this forward may give up
+    score = tl.where(owner < 0, -1.0, owner_heat)  # empty slots first, then the coldest
+    # rank of each missing expert, hottest first (ties: lower id), and of each free slot,
+    # coldest first (ties: lower slot): the i-th of one goes to the i-th of the other
+    ahead = missing[None, :] & (
+        (heat[None, :] > heat[:, None])
+        | ((heat[None, :] == heat[:, None]) & (e[None, :] < e[:, None]))
+    )  # [BE, BE]
+    rank_e = tl.sum(ahead.to(tl.int32), axis=1)
+    colder = free[None, :] & (
+        (score[None, :] < score[:, None])
+        | ((score[None, :] == score[:, None]) & (s[None, :] < s[:, None]))
+    )  # [BS, BS]
+    rank_s = tl.sum(colder.to(tl.int32), axis=1)
+    n = tl.minimum(n_missing, tl.sum(free.to(tl.int32)))
+    take = missing & (rank_e < n)  # [BE] admitted now
+    give = free & (rank_s < n)  # [BS] slots they go to
+    pair = take[:, None] & give[None, :] & (rank_e[:, None] == rank_s[None, :])
+    new_slot = tl.sum(tl.where(pair, s[None, :], 0), axis=1)  # [BE]
+    new_owner = tl.sum(tl.where(pair, e[:, None], 0), axis=0)  # [BS]
+    leaving = give & (owner >= 0)
+    tl.store(slot_of_ptr + owner, tl.full([BLOCK_S], -1, tl.int32), mask=leaving)
+    tl.store(slot_of_ptr + e, new_slot, mask=take)
+    tl.store(owner_ptr + s, new_owner, mask=give)
+    for k in tl.static_range(3):
+        back = tl.load(host_addr_ptr + k * E + owner, mask=leaving, other=0)
+        tl.store(addr_ptr + k * E + owner, back, mask=leaving)
+        into = tl.load(slot_addr_ptr + k * S + new_slot, mask=take, other=0)
+        tl.store(addr_ptr + k * E + e, into, mask=take)
+    tl.store(copy_ptr + 1 + 2 * rank_e, e, mask=take)
+    tl.store(copy_ptr + 2 + 2 * rank_e, new_slot, mask=take)
+    return take, n
+
+
+@triton.jit
 def _pager_kernel(
     ids_ptr, N, heat_ptr, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr, slot_addr_ptr,
-    copy_ptr, stats_ptr, decay,
+    copy_ptr, stats_ptr, mark_ptr, gate_ptr, decay, min_precision,
     E: tl.constexpr, S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, ADMIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ADMIT: tl.constexpr, PREDICT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(PDL)
     e = tl.arange(0, BLOCK_E)
     emask = e < E
-    cnt = _reads(ids_ptr, N, e, BLOCK_E, BLOCK_N)  # this forward's reads of each expert
+    cnt = _reads(ids_ptr, N, e, BLOCK_E, BLOCK_N)  # this forward's reads (or predicted reads)
     slot_of = tl.load(slot_of_ptr + e, mask=emask, other=-1)
     on_slot = slot_of >= 0
-    slot_reads = tl.sum(tl.where(on_slot, cnt, 0))
     missing = (cnt > 0) & ~on_slot
     n_missing = tl.sum(missing.to(tl.int32))
     stats = tl.arange(0, 8)
-    add = tl.where(stats == 0, slot_reads, 0)
-    if ADMIT:
-        heat = tl.load(heat_ptr + e, mask=emask, other=0.0) * decay + cnt.to(tl.float32)
-        tl.store(heat_ptr + e, heat, mask=emask)
+    g = tl.arange(0, 2)
+    gate = tl.load(gate_ptr + g)  # [named, then routed] over recent forwards (decayed)
+    if PREDICT:  # the next forward's experts, named by a prediction: no reads, no heat
+        heat = tl.load(heat_ptr + e, mask=emask, other=0.0)
+        tl.store(mark_ptr + e, missing.to(tl.int8), mask=emask)  # 1: named outside the slots
+        add = tl.where(stats == 4, n_missing, 0)
         n = n_missing * 0
-        admitted = n
-        if n_missing > 0:  # the rest only when some routed expert is not in a slot
-            s = tl.arange(0, BLOCK_S)
-            owner = tl.load(owner_ptr + s, mask=s < S, other=-1)
-            held = owner[:, None] == e[None, :]  # [BS, BE]: slot s holds expert e
-            owner_heat = tl.sum(tl.where(held, heat[None, :], 0.0), axis=1)
-            owner_routed = tl.sum((held & (cnt[None, :] > 0)).to(tl.int32), axis=1) > 0
-            free = (s < S) & ~owner_routed  # slots this forward may give up
-            score = tl.where(owner < 0, -1.0, owner_heat)  # empty slots first, then the coldest
-            # rank of each missing expert, hottest first (ties: lower id), and of each free
-            # slot, coldest first (ties: lower slot): the i-th of one goes to the i-th of the other
-            ahead = missing[None, :] & (
-                (heat[None, :] > heat[:, None])
-                | ((heat[None, :] == heat[:, None]) & (e[None, :] < e[:, None]))
-            )  # [BE, BE]
-            rank_e = tl.sum(ahead.to(tl.int32), axis=1)
-            colder = free[None, :] & (
-                (score[None, :] < score[:, None])
-                | ((score[None, :] == score[:, None]) & (s[None, :] < s[:, None]))
-            )  # [BS, BS]
-            rank_s = tl.sum(colder.to(tl.int32), axis=1)
-            n = tl.minimum(n_missing, tl.sum(free.to(tl.int32)))
-            take = missing & (rank_e < n)  # [BE] admitted now
-            give = free & (rank_s < n)  # [BS] slots they go to
-            pair = take[:, None] & give[None, :] & (rank_e[:, None] == rank_s[None, :])
-            new_slot = tl.sum(tl.where(pair, s[None, :], 0), axis=1)  # [BE]
-            new_owner = tl.sum(tl.where(pair, e[:, None], 0), axis=0)  # [BS]
-            leaving = give & (owner >= 0)
-            tl.store(slot_of_ptr + owner, tl.full([BLOCK_S], -1, tl.int32), mask=leaving)
-            tl.store(slot_of_ptr + e, new_slot, mask=take)
-            tl.store(owner_ptr + s, new_owner, mask=give)
-            for k in tl.static_range(3):
-                back = tl.load(host_addr_ptr + k * E + owner, mask=leaving, other=0)
-                tl.store(addr_ptr + k * E + owner, back, mask=leaving)
-                into = tl.load(slot_addr_ptr + k * S + new_slot, mask=take, other=0)
-                tl.store(addr_ptr + k * E + e, into, mask=take)
-            tl.store(copy_ptr + 1 + 2 * rank_e, e, mask=take)
-            tl.store(copy_ptr + 2 + 2 * rank_e, new_slot, mask=take)
-            admitted = tl.sum(tl.where(take, cnt, 0))
+        named, routed = tl.sum(tl.where(g == 0, gate, 0.0)), tl.sum(tl.where(g == 1, gate, 0.0))
+        if (n_missing > 0) & (routed >= min_precision * named):
+            take, n = _admit(
+                e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
+            )  # fmt: skip
+            tl.store(mark_ptr + e, tl.full([BLOCK_E], 2, tl.int8), mask=take)  # 2: copied
         tl.store(copy_ptr, n)
-        link = tl.sum(tl.where(missing, cnt, 0)) - admitted
-        add += tl.where(stats == 1, admitted, 0) + tl.where(stats == 2, link, 0)
-        add += tl.where(stats == 3, n, 0)
+        add += tl.where(stats == 6, n, 0)
     else:
-        tl.store(copy_ptr, 0)
-        add += tl.where(stats == 2, tl.sum(tl.where(missing, cnt, 0)), 0)
-    ok = stats < 4
-    old = tl.load(stats_ptr + stats, mask=ok, other=0)
-    tl.store(stats_ptr + stats, old + add.to(tl.int64), mask=ok)
+        # score the prediction that named experts for this forward (marks), then clear it
+        mark = tl.load(mark_ptr + e, mask=emask, other=0)
+        used = (cnt > 0) & (mark > 0)
+        n_named = tl.sum((mark > 0).to(tl.int32))
+        n_used = tl.sum(used.to(tl.int32))
+        tl.store(gate_ptr + g, gate * decay + tl.where(g == 0, n_named, n_used).to(tl.float32))
+        tl.store(mark_ptr + e, tl.zeros([BLOCK_E], tl.int8), mask=emask)
+        add = tl.where(stats == 5, n_used, 0)
+        add += tl.where(stats == 7, tl.sum((used & (mark == 2)).to(tl.int32)), 0)
+        add += tl.where(stats == 0, tl.sum(tl.where(on_slot, cnt, 0)), 0)
+        if ADMIT:
+            heat = tl.load(heat_ptr + e, mask=emask, other=0.0) * decay + cnt.to(tl.float32)
+            tl.store(heat_ptr + e, heat, mask=emask)
+            n = n_missing * 0
+            admitted = n
+            if n_missing > 0:  # the rest only when some routed expert is not in a slot
+                take, n = _admit(
+                    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                    host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
+                )  # fmt: skip
+                admitted = tl.sum(tl.where(take, cnt, 0))
+            tl.store(copy_ptr, n)
+            link = tl.sum(tl.where(missing, cnt, 0)) - admitted
+            add += tl.where(stats == 1, admitted, 0) + tl.where(stats == 2, link, 0)
+            add += tl.where(stats == 3, n, 0)
+        else:
+            tl.store(copy_ptr, 0)
+            add += tl.where(stats == 2, tl.sum(tl.where(missing, cnt, 0)), 0)
+    old = tl.load(stats_ptr + stats)
+    tl.store(stats_ptr + stats, old + add.to(tl.int64))
 
 
 @triton.jit
@@ -202,15 +241,25 @@ def page(
     slot_addr: torch.Tensor,
     copies: torch.Tensor,
     stats: torch.Tensor,
+    mark: torch.Tensor,
+    gate: torch.Tensor,
     words: tuple[int, int, int],
     decay: float,
     admit: bool = True,
+    predict: bool = False,
+    min_precision: float = 0.5,
+    copy_programs: int | None = None,
 ) -> None:
     """Queue the paging of one forward of a layer (module docstring) on the current stream:
     ids [T, k] routed experts; heat [E] float32, slot_of [E] int32 (-1: not in a slot), owner
     [S] int32 (-1: empty), addr / host_addr [3, E] and slot_addr [3, S] int64 byte addresses,
-    copies [1 + 2 * S] int32 scratch, stats [4] int64, `words` each weight's int32 words.
-    Without `admit` (long forwards) only the read counters move."""
+    copies [1 + 2 * S] int32 scratch, stats [8] int64 (`experts.paged.STATS`), mark [E] int8
+    and gate [2] float32 (the prediction's marks and its decayed named / routed counts),
+    `words` each weight's int32 words. Without `admit` (long forwards) only the read counters
+    move. With `predict`, ids are a prediction of the layer's next forward: the experts it
+    names outside the slots are marked and, while at least `min_precision` of what predictions
+    named was then routed (`gate`), paged in (a prefetch; the layer's next paging scores and
+    clears the marks). `copy_programs`: the copy grid (default `COPY_PROGRAMS_PER_SM` a SM)."""
     e, s = slot_of.numel(), owner.numel()
     if e > MAX_EXPERTS:
         raise ValueError(f"device paging handles up to {MAX_EXPERTS} experts, not {e}")
@@ -218,11 +267,12 @@ def page(
     pdl = pdl_args(ids.device)
     _pager_kernel[(1,)](
         flat, flat.numel(), heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
-        decay, E=e, S=s, BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(s),
-        BLOCK_N=32, ADMIT=admit, num_warps=4, **pdl,
+        mark, gate, decay, min_precision, E=e, S=s, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_S=triton.next_power_of_2(s), BLOCK_N=32, ADMIT=admit, PREDICT=predict,
+        num_warps=4, **pdl,
     )  # fmt: skip
-    if admit:
-        _copy_kernel[(_copy_grid(ids.device),)](
+    if admit or predict:
+        _copy_kernel[(copy_programs or _copy_grid(ids.device),)](
             copies, host_addr, slot_addr, *words, e, s, BLOCK=COPY_BLOCK,
             num_warps=COPY_WARPS, **pdl,
         )  # fmt: skip

@@ -253,9 +253,11 @@ class SparseMoE:
             paged: Any = self.experts
             if fused_moe_path(x):  # routed experts paged into slots (or gathered), queued
                 gate, up, down, slot = paged.prepare(ids)
+                paged.predict(x)  # the next layer's experts, paged meanwhile on a side stream
                 xa, counters = q8_of(x), self._counters(x, gate)
                 return ops.moe_forward(x, ids, weights, gate, up, down, slot, xa, counters)
             paged.observe(ids)  # the CPU: paged by torch, then the per-expert path
+            paged.predict(x)
         elif getattr(self.experts, "expert_addr", None) is not None:  # zero-copy placement
             experts: Any = self.experts  # `experts.zero_copy.ZeroCopyExperts`
             if not fused_moe_path(x):

@@ -113,13 +113,27 @@ class CudaGraphBackend:
 
     def warm_up(self, fn: Callable[[], torch.Tensor]) -> None:
         """Run `fn` once on a side stream (as torch's capture docs ask): kernels compile and the
-        allocator sees the shapes before capture."""
+        allocator sees the shapes before capture. `warming_up()` is true meanwhile."""
+        global _warming_up
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            fn()
+        _warming_up = True
+        try:
+            with torch.cuda.stream(stream):
+                fn()
+        finally:
+            _warming_up = False
         current.wait_stream(stream)
+
+
+_warming_up = False
+
+
+def warming_up() -> bool:
+    """Whether the forward running now is a capture's warm-up on padding rows (not a step):
+    counters kept on the device leave it out (`experts.paged`)."""
+    return _warming_up
 
 
 @contextlib.contextmanager

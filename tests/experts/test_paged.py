@@ -10,7 +10,7 @@ import torch
 
 from moestream.cli import DEMO_MODEL
 from moestream.errors import CapacityError, RequestError
-from moestream.experts.paged import paged_metric_families, paged_snapshot
+from moestream.experts.paged import STATS, paged_metric_families, paged_snapshot
 from moestream.llm import LLM
 from moestream.types import SamplingParams
 
@@ -29,7 +29,10 @@ def _state(e: int, s: int, seed: int) -> dict[str, torch.Tensor]:
         if x >= 0:
             slot_of[x] = i
     heat = torch.randint(0, 4, (e,), generator=g).float()  # ties on purpose
-    return {"heat": heat, "slot_of": slot_of, "owner": owner, "stats": torch.zeros(4).long()}
+    return {
+        "heat": heat, "slot_of": slot_of, "owner": owner, "stats": torch.zeros(8).long(),
+        "mark": torch.zeros(e, dtype=torch.int8), "gate": torch.zeros(2),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -58,22 +61,34 @@ def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int)
     addr[:, ref["owner"][held].long()] = slot_addr[:, held.to(DEVICE)]
     copies = torch.zeros(1 + 2 * s, dtype=torch.int32, device=DEVICE)
     g = torch.Generator().manual_seed(7)
-    for step in range(6):
+    schedule = []  # (ids, predict, admit): forwards, most after a prediction of their experts
+    for f in range(6):
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
-        admit = step != 3  # one forward that only counts, as a long one
-        moves = page_ref(ids, ref["heat"], ref["slot_of"], ref["owner"], ref["stats"], 0.9, admit)
+        if f < 5:  # a prediction half right, or (forwards 2 and 3) guessed
+            other = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+            guess = other if f in (2, 3) else torch.cat([ids[:, : k // 2 + 1], other], 1)
+            schedule.append((guess, True, True))
+        schedule.append((ids, False, f != 1))  # forward 1 only counts, as a long one
+    for step, (ids, predict, admit) in enumerate(schedule):
+        gate_open = float(ref["gate"][1]) >= 0.5 * float(ref["gate"][0])
+        moves = page_ref(
+            ids, ref["heat"], ref["slot_of"], ref["owner"], ref["stats"], 0.9, admit,
+            ref["mark"], ref["gate"], predict,
+        )  # fmt: skip
         page(
             ids.to(DEVICE), dev["heat"], dev["slot_of"], dev["owner"], addr, host_addr,
-            slot_addr, copies, dev["stats"], words, 0.9, admit,
+            slot_addr, copies, dev["stats"], dev["mark"], dev["gate"], words, 0.9, admit,
+            predict,
         )  # fmt: skip
-        for name in ("slot_of", "owner", "stats"):
+        for name in ("slot_of", "owner", "stats", "mark"):
             assert torch.equal(dev[name].cpu(), ref[name]), (step, name)
         torch.testing.assert_close(dev["heat"].cpu(), ref["heat"])
+        torch.testing.assert_close(dev["gate"].cpu(), ref["gate"])
         if admit:
             n = int(copies[0])
             listed = copies[1 : 1 + 2 * n].view(n, 2).tolist()
             assert [tuple(m) for m in listed] == moves  # hottest first, coldest slot first
-        # every routed expert found where the table says, with the right bytes
+        # every named expert found where the table says, with the right bytes
         for x in ids.unique().tolist():
             i = int(ref["slot_of"][x])
             want = slot_addr[:, i] if i >= 0 else host_addr[:, x]
@@ -81,9 +96,14 @@ def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int)
             if i >= 0:
                 assert all(torch.equal(d[i].cpu(), h[x]) for d, h in zip(slots, host)), x
         outside = int((ref["slot_of"][ids.unique()] < 0).sum())
-        if admit and ids.unique().numel() <= s:  # room for all: every routed expert got a slot
-            assert outside == 0
-    assert ref["stats"][3] > 0 and ref["stats"][0] > 0  # admissions and hits both happened
+        if admit and ids.unique().numel() <= s and (gate_open or not predict):
+            assert outside == 0  # room for all: every named expert got a slot
+    stats = dict(zip(STATS, ref["stats"].tolist(), strict=True))
+    assert stats["admissions"] > 0 and stats["slot_reads"] > 0  # admissions and hits happened
+    assert stats["prefetched"] > 0 and stats["prefetched_used"] <= stats["prefetched"]
+    if s >= 2 * k:  # room for a half-right prediction's experts: some were then routed
+        assert stats["prefetched_used"] > 0
+    assert stats["predicted_used"] <= stats["predicted"]
 
 
 @pytest.mark.parametrize("tokens, k", [(1, 3), (5, 4)])
@@ -210,6 +230,65 @@ def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
     assert metrics["moestream_expert_paged_slot_hit_rate"] == c["slot_hit_rate"]
 
 
+def test_the_prediction_prefetches_only_while_it_pays() -> None:
+    """`page_ref`'s gate (the kernel's decision, tested against it above): predictions that
+    name the wrong experts stop being prefetched, are still scored while they are not, and are
+    prefetched again once they name what the forwards route."""
+    from moestream.experts.paged import page_ref
+
+    e, s = 16, 4
+    state = _state(e, s, seed=1)
+    st = state["stats"]
+    g = torch.Generator().manual_seed(2)
+
+    def forward(right: bool) -> None:
+        ids = torch.randperm(e // 2, generator=g)[:2][None]  # experts 0-7 routed
+        guess = ids if right else ids + e // 2  # or experts 8-15 named
+        args = (state["heat"], state["slot_of"], state["owner"], st, 0.9)
+        page_ref(guess, *args, True, state["mark"], state["gate"], predict=True)
+        page_ref(ids, *args, True, state["mark"], state["gate"])
+
+    for _ in range(20):
+        forward(right=False)
+    wrong = dict(zip(STATS, st.tolist(), strict=True))
+    assert wrong["predicted_used"] == 0 and 0 < wrong["prefetched"] < wrong["predicted"]
+    for _ in range(10):
+        forward(right=False)
+    assert int(st[6]) == wrong["prefetched"]  # closed: named, scored, not copied
+    assert int(st[4]) > wrong["predicted"]
+    for _ in range(60):
+        forward(right=True)
+    assert int(st[6]) > wrong["prefetched"] and int(st[7]) > 0  # open again, and used
+
+
+def test_the_prediction_raises_the_hit_rate_on_real_routing() -> None:
+    """On the trained MoE (2 of 8 experts a token), decode at 4 slots a layer: the next
+    layer's router applied to this layer's FFN input names most of its experts, and paging
+    them ahead turns admissions into hits; the tokens do not change."""
+    if not DEMO_MODEL.is_file():
+        pytest.skip("demo model is not in this checkout")
+    text = (DEMO_MODEL.parent / "heldout-python.txt").read_text()
+    prompts = [text[i : i + 300] for i in (0, 5000)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    gib = _gib_for(paged(1.0), 4)
+    snaps, tokens = {}, {}
+    for predict in (True, False):
+        llm = LLM(
+            DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=gib,
+            host_expert_cache_gib=1.0, expert_paging=True, expert_prediction=predict,
+        )  # fmt: skip
+        tokens[predict] = [o.token_ids for o in llm.generate(prompts, params)]
+        snaps[predict] = paged_snapshot(llm.paged)["phases"]["decode"]
+    assert tokens[True] == tokens[False]
+    on, off = snaps[True], snaps[False]
+    assert off["predicted"] == off["prefetched"] == 0
+    assert on["prefetch_accuracy"] > 0.6 and on["prediction_precision"] > 0.6, on
+    assert on["slot_hit_rate"] > off["slot_hit_rate"] + 0.08, (on, off)
+    assert on["admissions"] < off["admissions"]
+    metrics = {name: value for name, _, _, value in paged_metric_families(on)}
+    assert metrics["moestream_expert_paged_prefetch_accuracy"] == on["prefetch_accuracy"]
+
+
 def test_budgets_are_enforced() -> None:
     if not DEMO_MODEL.is_file():
         pytest.skip("demo model is not in this checkout")
@@ -250,6 +329,13 @@ def test_paging_on_the_gpu_keeps_the_tokens(slots: int, seqs: int) -> None:
     assert c["phases"]["decode"]["slot_reads"] > 0 and c["link_reads"] > 0, c
     if seqs == 1:  # (three requests can keep one slot's expert routed at every step)
         assert c["admissions"] > 0, c
+        # every decode token's reads and no others (the captures' warm-ups are left out)
+        d = c["phases"]["decode"]
+        top_k = llm.model.moe_layers()[0].top_k
+        reads = len(prompts) * (params.max_tokens - 1) * top_k * len(llm.paged)
+        assert d["slot_reads"] + d["admitted_reads"] + d["link_reads"] == reads, d
+    if seqs == 1 and slots == 4:  # the trained model's next-layer prediction is prefetched
+        assert c["prefetched"] > 0 and c["prefetch_accuracy"] > 0.5, c
     for p in llm.paged:
         for i, x in enumerate(p.held()):
             assert x >= 0 and int(p.slot_of[x]) == i
