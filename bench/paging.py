@@ -2,10 +2,12 @@
 and copy kernels for a forward whose routed experts are all in slots (what every layer of a
 decode step pays), and for forwards with 1, 2, 4 and 8 of them missing (each then copied from
 pinned host memory), over launch shapes of the copy kernel; GB/s of the copies against a DMA of
-the same bytes.
+the same bytes (8 experts, and 1). Then the fixed part of a forward that admits: the same
+forwards with 16-byte experts (the decision and the launches, no bytes to speak of), over the
+pager program's warps.
 
     python bench/paging.py [--experts 128] [--slots 64] [--ffn 768] [--hidden 2048]
-                           [--shapes 1x4,2x4,4x4,8x4,4x8] [--repeats 20]
+                           [--shapes 1x4,2x4,4x4,8x4,4x8] [--pager-warps 4,8,16] [--repeats 20]
 
 The weights are random bytes at Q4_K gate/up and Q6_K down sizes (the synth qwen3-30b-a3b
 Q4_K_M layer by default). Medians over `--repeats` CUDA-graph replays of 8 forwards each (a
@@ -48,6 +50,7 @@ def main() -> int:
     p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--shapes", default="1x4,2x4,4x4,8x4,4x8", help="programs per SM x warps")
+    p.add_argument("--pager-warps", default="4,8,16", help="warps of the deciding program")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -65,12 +68,22 @@ def main() -> int:
 
     dma = graph_time_us([lambda: dma_dst.copy_(dma_src, non_blocking=True)], args.repeats)
     print(f"DMA of 8 experts: {dma:.1f} us, {dma_src.numel() * 4 / dma / 1e3:.1f} GB/s")
+    one = dma_src.numel() // 8
+    dma1 = graph_time_us(
+        [lambda: dma_dst[:one].copy_(dma_src[:one], non_blocking=True)], args.repeats
+    )
+    print(f"DMA of 1 expert: {dma1:.1f} us, {one * 4 / dma1 / 1e3:.1f} GB/s")
     print("| copy shape | missing | us a forward | GB/s of copies |")
     print("|---|---|---|---|")
-    for shape in args.shapes.split(","):
+    runs = [(shape, 4, words) for shape in args.shapes.split(",")]
+    runs += [("4x4", int(w), (4, 4, 4)) for w in args.pager_warps.split(",")]
+    for shape, pager_warps, words in runs:
         per_sm, warps = (int(x) for x in shape.split("x"))
         expert_pager.COPY_PROGRAMS_PER_SM, expert_pager.COPY_WARPS = per_sm, warps
+        expert_pager.PAGER_WARPS = pager_warps
         expert_pager._copy_grid.cache_clear()
+        if words == (4, 4, 4) and pager_warps == int(args.pager_warps.split(",")[0]):
+            print("| 16-byte experts: pager warps | missing | us a forward | |\n|---|---|---|---|")
         for missing in (0, 1, 2, 4, 8):
             # slots hold experts 0..s-1; each forward routes 8 experts of which `missing` are
             # outside the slots, and the next forward puts the placement back (the state is
@@ -86,12 +99,15 @@ def main() -> int:
             saved = [t.clone() for t in (slot_of, owner, heat, addr)]
             ids = torch.tensor([[*range(8 - missing), *range(s, s + missing)]], device="cuda")
             copies = torch.zeros(1 + 2 * s, dtype=torch.int32, device="cuda")
-            stats = torch.zeros(4, dtype=torch.int64, device="cuda")
+            stats = torch.zeros(8, dtype=torch.int64, device="cuda")
+            mark = torch.zeros(e, dtype=torch.int8, device="cuda")
+            gate = torch.zeros(2, device="cuda")
 
             def forward(ids=ids, slot_of=slot_of, owner=owner, heat=heat, addr=addr,
-                        saved=saved, copies=copies, stats=stats):  # fmt: skip
+                        saved=saved, copies=copies, stats=stats, words=words,
+                        mark=mark, gate=gate):  # fmt: skip
                 page(ids, heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
-                     words, 0.99)  # fmt: skip
+                     mark, gate, words, 0.99)  # fmt: skip
                 for t, v in zip((slot_of, owner, heat, addr), saved, strict=True):
                     t.copy_(v)
 
@@ -101,10 +117,14 @@ def main() -> int:
 
             reps = args.repeats  # the pager's part of a forward:
             us = graph_time_us([forward] * 8, reps) - graph_time_us([restore] * 8, reps)
+            if words == (4, 4, 4):
+                print(f"| {pager_warps} | {missing} | {us:.1f} | |")
+                continue
             rate = missing * sum(sizes) / us / 1e3 if missing else 0.0
             print(f"| {per_sm}/SM x {warps} warps | {missing} | {us:.1f} | {rate:.1f} |")
     # the gather of forwards beyond the slots: n routed experts, half of them in slots
     expert_pager.COPY_PROGRAMS_PER_SM, expert_pager.COPY_WARPS = 4, 4
+    expert_pager.PAGER_WARPS = 4
     expert_pager._copy_grid.cache_clear()
     stage = [torch.empty(e, n // 4, dtype=torch.int32, device="cuda") for n in sizes]
     stage_addr = torch.tensor([[t[i].data_ptr() for i in range(e)] for t in stage]).cuda()

@@ -1422,10 +1422,14 @@ PY
   s32a)  # paged experts with the next layer's prediction prefetched on a side stream (default
     # on; the decode counters no longer count the captures' warm-ups): the GPU tests (graphs
     # with the side stream inside), then the trained tiny MoE at 3 of 8 slots with and without
-    # the prediction, in turn, beside resident. Prediction: tests pass; tiny model: on >= off
-    # + 5% (its router predicts ~85% of the next layer's experts), both below resident
+    # the prediction, in turn, beside resident; the pager's fixed cost. Prediction: tests pass;
+    # tiny model: on >= off + 5% (its router predicts ~85% of the next layer's experts), both
+    # below resident; 16-byte experts: 5-15 us a forward that admits, less with more warps
     timeout 200 python3 -m pytest tests/experts/test_paged.py tests/runner/test_cuda_graph.py \
       -q -p no:cacheprovider --tb=short > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    # the fixed cost of a forward that admits (s30's 1-expert forward: ~23 us over its bytes)
+    timeout 80 python3 bench/paging.py --shapes 4x4 --repeats 10 2>&1 | tee "$out/paging.md" \
+      | tail -16
     tiny=(moestream/data/tiny-qwen3-moe-Q4_K_M.gguf --device cuda --kv-cache-gib 1
       --prompt-lens 32 --decode-depths 0 --decode-tokens 128 --repeats 3)
     for arm in on off on off; do

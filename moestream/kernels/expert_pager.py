@@ -45,6 +45,7 @@ MAX_EXPERTS = 256  # the [E, E] rank comparison in one program's registers
 COPY_PROGRAMS_PER_SM = 4
 COPY_BLOCK = 1024
 COPY_WARPS = 4
+PAGER_WARPS = 4  # the one program that decides
 
 
 @triton.jit
@@ -269,7 +270,7 @@ def page(
         flat, flat.numel(), heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
         mark, gate, decay, min_precision, E=e, S=s, BLOCK_E=triton.next_power_of_2(e),
         BLOCK_S=triton.next_power_of_2(s), BLOCK_N=32, ADMIT=admit, PREDICT=predict,
-        num_warps=4, **pdl,
+        num_warps=PAGER_WARPS, **pdl,
     )  # fmt: skip
     if admit or predict:
         _copy_kernel[(copy_programs or _copy_grid(ids.device),)](
