@@ -77,12 +77,12 @@ def main() -> int:
     print("|---|---|---|---|")
     runs = [(shape, 4, words) for shape in args.shapes.split(",")]
     runs += [("4x4", int(w), (4, 4, 4)) for w in args.pager_warps.split(",")]
-    for shape, pager_warps, words in runs:
+    for shape, pager_warps, run_words in runs:
         per_sm, warps = (int(x) for x in shape.split("x"))
         expert_pager.COPY_PROGRAMS_PER_SM, expert_pager.COPY_WARPS = per_sm, warps
         expert_pager.PAGER_WARPS = pager_warps
         expert_pager._copy_grid.cache_clear()
-        if words == (4, 4, 4) and pager_warps == int(args.pager_warps.split(",")[0]):
+        if run_words == (4, 4, 4) and pager_warps == int(args.pager_warps.split(",")[0]):
             print("| 16-byte experts: pager warps | missing | us a forward | |\n|---|---|---|---|")
         for missing in (0, 1, 2, 4, 8):
             # slots hold experts 0..s-1; each forward routes 8 experts of which `missing` are
@@ -104,7 +104,7 @@ def main() -> int:
             gate = torch.zeros(2, device="cuda")
 
             def forward(ids=ids, slot_of=slot_of, owner=owner, heat=heat, addr=addr,
-                        saved=saved, copies=copies, stats=stats, words=words,
+                        saved=saved, copies=copies, stats=stats, words=run_words,
                         mark=mark, gate=gate):  # fmt: skip
                 page(ids, heat, slot_of, owner, addr, host_addr, slot_addr, copies, stats,
                      mark, gate, words, 0.99)  # fmt: skip
@@ -117,7 +117,7 @@ def main() -> int:
 
             reps = args.repeats  # the pager's part of a forward:
             us = graph_time_us([forward] * 8, reps) - graph_time_us([restore] * 8, reps)
-            if words == (4, 4, 4):
+            if run_words == (4, 4, 4):
                 print(f"| {pager_warps} | {missing} | {us:.1f} | |")
                 continue
             rate = missing * sum(sizes) / us / 1e3 if missing else 0.0

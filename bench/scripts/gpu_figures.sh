@@ -1438,6 +1438,24 @@ PY
     done
     bench_run tiny_resident 60 "${tiny[@]}"
     ;;
+  s32d)  # after run 1 (s32a): the copy kernel's chunks dealt to the grid (all of a forward's
+    # copies in flight at once), the pager program at 8 warps, prefill graphs' counters in the
+    # prefill row: the GPU tests, the pager's cost, then the synth 30B 25% t1 with the
+    # prediction on and off. Prediction: 1 missing 83.7 -> 65-75 us, 16-byte 8 missing
+    # 54.7 -> 15-30 us; 25% t1 222 -> 235-260 (either arm)
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k "gpu or kernel or gather or prepare" > "$out/gputests.txt" 2>&1
+    tail -3 "$out/gputests.txt"
+    timeout 80 python3 bench/paging.py --shapes 4x4 --pager-warps 8 --repeats 10 2>&1 \
+      | tee "$out/paging.md" | tail -16
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    for arm in on off; do
+      bench_run "p25_t1_$arm" 100 "${base[@]}" --gpu-expert-cache-gib 4.4 \
+        --host-expert-cache-gib 24 --temperature 1.0 --expert-prediction $arm
+    done
+    ;;
   s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
     # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
     # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)

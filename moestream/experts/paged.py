@@ -159,14 +159,14 @@ class PagedExperts:
     def _stats(self) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.stats[self.phase.row]
-        from moestream.runner.cuda_graph import warming_up
+        from moestream.runner.cuda_graph import captured_phase, warming_up
 
         if warming_up():  # a capture's warm-up: padding rows, not a step
             return self.stats[len(PHASES)]
-        # CUDA graphs run decode and verify steps only (a warm-up may capture them after a
-        # prompt's eager step: the phase must not come from the step before)
-        capturing = torch.cuda.is_current_stream_capturing()
-        return self.stats[PHASES.index("decode") if capturing else self.phase.row]
+        if torch.cuda.is_current_stream_capturing():  # the phase of the steps it will run (a
+            # decode graph may be captured after a prompt's eager step)
+            return self.stats[PHASES.index(captured_phase())]
+        return self.stats[self.phase.row]
 
     def _page(self, ids: torch.Tensor, admit: bool, predict: bool = False) -> None:
         from moestream.kernels.expert_pager import page

@@ -128,12 +128,31 @@ class CudaGraphBackend:
 
 
 _warming_up = False
+_captured_phase = "decode"
 
 
 def warming_up() -> bool:
     """Whether the forward running now is a capture's warm-up on padding rows (not a step):
     counters kept on the device leave it out (`experts.paged`)."""
     return _warming_up
+
+
+def captured_phase() -> str:
+    """The phase ("decode" or "prefill", `experts.counters.phase_of`) of the steps that the
+    graph being captured now will run: decode and verify graphs, or a prefill graph's
+    (`capturing_phase`). Counters kept on the device pick their row by it."""
+    return _captured_phase
+
+
+@contextlib.contextmanager
+def capturing_phase(phase: str) -> Iterator[None]:
+    """Graphs captured inside run steps of `phase` (`captured_phase`)."""
+    global _captured_phase
+    before, _captured_phase = _captured_phase, phase
+    try:
+        yield
+    finally:
+        _captured_phase = before
 
 
 @contextlib.contextmanager

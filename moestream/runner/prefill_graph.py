@@ -42,7 +42,7 @@ import torch
 from moestream.cache.kv_cache import PagedKVCache
 from moestream.layers.attention import AttentionMetadata
 from moestream.models.base import CausalLM
-from moestream.runner.cuda_graph import GraphBackend
+from moestream.runner.cuda_graph import GraphBackend, capturing_phase
 
 # ids [T] int64, positions [T] int64, metadata, rows [1] int64 -> logits [1, V] float32
 PrefillForward = Callable[
@@ -149,9 +149,10 @@ class PrefillGraphs:
         self.sample_row.fill_(0)
         attn = self._attn(t)
         ids, pos = self.input_ids[:t], self.positions[:t]
-        self._graphs[t] = self.backend.capture(
-            lambda: self.forward(ids, pos, attn, self.sample_row)
-        )
+        with capturing_phase("prefill"):  # (device counters: the steps it runs are prefill)
+            self._graphs[t] = self.backend.capture(
+                lambda: self.forward(ids, pos, attn, self.sample_row)
+            )
 
     @torch.inference_mode()
     def run(self, token_ids: Sequence[int], start: int, block_ids: Sequence[int]) -> torch.Tensor:

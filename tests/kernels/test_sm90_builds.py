@@ -115,6 +115,20 @@ def test_zero_copy_weights_load_as_wide_as_slot_weights(kernel, constexprs, num_
     assert addr == slot
 
 
+def test_expert_page_copies_load_host_memory_16_bytes_wide_past_l1() -> None:
+    """The pager's copy kernel (`expert_pager._copy_kernel`, chunks dealt to a grid, each
+    weight's size 16-byte aligned as `PagedExperts` requires) reads host memory only in
+    128-bit loads that bypass L1 and writes 128-bit stores: its chunk offsets and the weight
+    chosen per chunk must not lose the alignment the vector width needs."""
+    ptx = sm90_ptx(
+        "expert_pager", "_copy_kernel", {"BLOCK": 1024, "PDL": True}, 4,
+        {"copy_ptr": "*i32", "src_ptr": "*i64", "dst_ptr": "*i64"}, {"W0", "W1", "W2"},
+    )  # fmt: skip
+    data_loads = set(re.findall(r"ld\.global(?:\.\w+)*\.b32", ptx)) - {"ld.global.b32"}
+    assert data_loads == {"ld.global.cg.v4.b32"}, data_loads  # (b32: the list, b64: tables)
+    assert set(re.findall(r"st\.global(?:\.\w+)*", ptx)) == {"st.global.v4.b32"}
+
+
 GROUPED_POINTERS = {
     "xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32",
     "block_expert_ptr": "*i32", "slot_ptr": "*i32", "g_ptr": "*u8", "u_ptr": "*u8",
