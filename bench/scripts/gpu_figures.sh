@@ -1456,6 +1456,35 @@ PY
         --host-expert-cache-gib 24 --temperature 1.0 --expert-prediction $arm
     done
     ;;
+  s32e)  # after run 2 (s32d): prediction only for forwards the slots serve (run 2's 32-token
+    # prompts, 78% precise, held the gate open for the decode tokens after them, 30% precise:
+    # 25% t1 fell 225.9 -> 173.2): 25% t1 on and off, then resident. Prediction: on within 5%
+    # of off (the gate closes at 30%), off 220-235, resident 470-490
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    for arm in on off; do
+      bench_run "p25_t1_$arm" 100 "${base[@]}" --gpu-expert-cache-gib 4.4 \
+        --host-expert-cache-gib 24 --temperature 1.0 --expert-prediction $arm
+    done
+    bench_run resident 80 "${base[@]}"
+    ;;
+  s32f)  # 50% greedy with the prediction on and off; 8 requests (temperature 1) at 25% and
+    # 10%. Prediction: 50% on within 5% of off (~323); 8 requests 25% 300-420 aggregate, 10%
+    # 180-300
+    synth qwen3-30b-a3b q30
+    base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2)
+    for arm in on off; do
+      bench_run "p50_$arm" 90 "${base[@]}" --gpu-expert-cache-gib 8.8 \
+        --host-expert-cache-gib 24 --expert-prediction $arm
+    done
+    c8=(--temperature 1.0 --concurrency 8 --concurrency-prompt 32)
+    bench_run paged25_c8 120 "${base[@]}" "${c8[@]}" --gpu-expert-cache-gib 4.4 \
+      --host-expert-cache-gib 24
+    bench_run paged10_c8 120 "${base[@]}" "${c8[@]}" --gpu-expert-cache-gib 1.76 \
+      --host-expert-cache-gib 24
+    ;;
   s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
     # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
     # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)

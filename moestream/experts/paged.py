@@ -224,11 +224,14 @@ class PagedExperts:
         close) and page them into its slots while the prediction pays (`page`'s gate). On CUDA
         it is queued on a side stream after what the current stream has queued, so that the
         copies overlap this layer's compute; the next layer's `prepare` waits for it. Forwards
-        that page only (up to `PAGE_MAX_TOKENS` tokens)."""
+        that the slots serve only (tokens x k <= slots, up to `PAGE_MAX_TOKENS` tokens): longer
+        ones read a stage, and name so many experts that they would open the gate for the
+        forwards after them (a 32-token prompt of the synth 30B: 80% of the experts named were
+        routed, against 30% a decode token; bench/RESULTS.md)."""
         nxt, router = self.next, self.next_router
         if nxt is None or router is None or x.shape[0] > PAGE_MAX_TOKENS:
             return
-        if nxt.n_slots == nxt.num_experts:
+        if x.shape[0] * self.top_k > nxt.n_slots or nxt.n_slots == nxt.num_experts:
             return
         from moestream.layers.moe import route
 
