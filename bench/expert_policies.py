@@ -110,14 +110,14 @@ def pager_hit_rate(
     with experts 0..slots-1 as `PagedExperts` does; with `predicted` (the layer's experts as
     the layer before predicted them, a token per forward), each forward after its prediction's
     prefetch (`PagedExperts.predict`)."""
-    from moestream.experts.paged import HEAT_HALF_LIFE, STATS, page_ref
+    from moestream.experts.paged import GATE_PRIOR, HEAT_HALF_LIFE, STATS, page_ref
 
     heat = torch.zeros(n_experts)
     slot_of = torch.full((n_experts,), -1, dtype=torch.int32)
     slot_of[:slots] = torch.arange(slots, dtype=torch.int32)
     owner = torch.arange(slots, dtype=torch.int32)
     stats = torch.zeros(len(STATS), dtype=torch.int64)
-    mark, gate = torch.zeros(n_experts, dtype=torch.int8), torch.zeros(2)
+    mark, gate = torch.zeros(n_experts, dtype=torch.int8), torch.tensor(GATE_PRIOR)
     decay = 0.5 ** (1.0 / HEAT_HALF_LIFE)
     for t, experts in enumerate(trace):
         args = (heat, slot_of, owner, stats, decay, True, mark, gate)

@@ -1469,16 +1469,17 @@ PY
     done
     bench_run resident 80 "${base[@]}"
     ;;
-  s32f)  # 50% greedy with the prediction on and off; 8 requests (temperature 1) at 25% and
-    # 10%. Prediction: 50% on within 5% of off (~323); 8 requests 25% 300-420 aggregate, 10%
-    # 180-300
+  s32f)  # after run 3 (s32e: on 210.4 vs off 223.3 at 25% t1, the empty gate open for the
+    # first forwards): the gate starts as if 8 experts had been named and none routed. 25% t1
+    # and 50% greedy with the prediction on (the default); 8 requests (temperature 1) at 25%
+    # and 10%. Prediction: 25% t1 218-228 (off 223.3), 50% greedy 315-335; 8 requests 25%
+    # 300-420 aggregate, 10% 180-300
     synth qwen3-30b-a3b q30
     base=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
       --decode-tokens 32 --repeats 2)
-    for arm in on off; do
-      bench_run "p50_$arm" 90 "${base[@]}" --gpu-expert-cache-gib 8.8 \
-        --host-expert-cache-gib 24 --expert-prediction $arm
-    done
+    bench_run p25_t1_on 100 "${base[@]}" --gpu-expert-cache-gib 4.4 --host-expert-cache-gib 24 \
+      --temperature 1.0
+    bench_run p50_on 90 "${base[@]}" --gpu-expert-cache-gib 8.8 --host-expert-cache-gib 24
     c8=(--temperature 1.0 --concurrency 8 --concurrency-prompt 32)
     bench_run paged25_c8 120 "${base[@]}" "${c8[@]}" --gpu-expert-cache-gib 4.4 \
       --host-expert-cache-gib 24

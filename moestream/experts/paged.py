@@ -66,6 +66,11 @@ PHASES = ("prefill", "decode")
 # outside the slots (over recent forwards, decayed like the heat) was then routed: a wrong
 # prefetch costs a copy over the link and evicts an expert.
 PREFETCH_MIN_PRECISION = 0.5
+# The gate's start, [named, routed]: as if this many experts had been named and none routed, so
+# that predictions are prefetched once they have shown their precision (the synth 30B's
+# predictions, 30% precise, prefetched 23 experts a layer while an empty gate stayed open:
+# bench/RESULTS.md), a dozen forwards in at 85% precision.
+GATE_PRIOR = (8.0, 0.0)
 
 
 class PhaseRow:
@@ -131,7 +136,7 @@ class PagedExperts:
         # the experts it named outside the slots (1) or prefetched (2), scored and cleared by
         # the forward's own paging; and [named, routed] over recent forwards, decayed (its gate).
         self.mark = torch.zeros(e, dtype=torch.int8, device=ptr)
-        self.gate = torch.zeros(2, dtype=torch.float32, device=ptr)
+        self.gate = torch.tensor(GATE_PRIOR, dtype=torch.float32, device=ptr)
         # The next MoE layer and its router (`attach_paged`): this layer predicts its experts.
         self.next: PagedExperts | None = None
         self.next_router: QTensor | None = None
@@ -481,7 +486,7 @@ def page_ref(
     the admissions as (expert, slot), in the kernel's copy order. The caller moves the bytes."""
     e = slot_of.numel()
     mark = torch.zeros(e, dtype=torch.int8) if mark is None else mark
-    gate = torch.zeros(2) if gate is None else gate
+    gate = torch.tensor(GATE_PRIOR) if gate is None else gate
     cnt = torch.bincount(ids.reshape(-1).long(), minlength=e)[:e].to(torch.int32)
     on_slot = slot_of >= 0
     missing = (cnt > 0) & ~on_slot
