@@ -1486,6 +1486,15 @@ PY
     bench_run paged10_c8 120 "${base[@]}" "${c8[@]}" --gpu-expert-cache-gib 1.76 \
       --host-expert-cache-gib 24
     ;;
+  s32g)  # the GPU tests at the session's last code (the gate's prior, prediction only where
+    # the slots serve); the rest on disk at 10% (the streamed store, O_DIRECT, no host tier),
+    # batch 1. Prediction: tests pass; disk 10% 1-5 tok/s
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k "gpu or kernel or gather or prepare" > "$out/gputests.txt" 2>&1
+    tail -3 "$out/gputests.txt"
+    synth qwen3-30b-a3b q30
+    disk 1.76 300 1
+    ;;
   s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
     # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
     # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)
