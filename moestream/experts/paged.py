@@ -24,6 +24,12 @@ and an expert-to-slot table), so its method and bits are the resident model's at
   the link). Longer forwards do not page and do not heat experts: decode steps decide what
   stays.
 
+Each layer also predicts the next MoE layer's experts (`PagedExperts.predict`: the next router
+applied to its own FFN input) and pages those missing from the next layer's slots on a side
+stream, so that the copies overlap its own compute; the next layer's paging waits for them,
+scores the prediction (named, then routed) and keeps prefetching only while at least
+`PREFETCH_MIN_PRECISION` of what predictions name is routed (`kernels.expert_pager`).
+
 Off CUDA (tests), `page_ref` makes the same decisions in torch and the layer takes the
 per-expert path through `weights(e)`.
 

@@ -12,6 +12,13 @@ this forward does not route (an empty slot first); it rewrites both experts' tab
 and writes the list of copies, which a grid then makes from host memory into the slots. When
 fewer slots are free than experts are missing, the rest stay out of the slots.
 
+`page(..., predict=True)`: the ids are a prediction of the layer's next forward (made by the
+layer before). The same program marks the experts it names outside the slots (`mark`) and,
+while the decayed counts in `gate` say that at least `min_precision` of what predictions named
+was then routed, admits them (by heat, which a prediction does not change) into the slots of
+the coldest experts it does not name; the copies follow. The layer's own next paging counts
+the marked experts it routes, updates `gate` and clears the marks.
+
 `gather`: one program lists the forward's routed experts in ascending order (expert e to stage
 slot p, its rank; `stage_slot[e] = p`), and the same grid copies each from `addr` (a slot, at
 device speed, or host memory, across the link) into a stage stack, for forwards whose routed
@@ -22,10 +29,11 @@ one program decides in microseconds for E <= `MAX_EXPERTS`, and the comparisons 
 some routed expert is missing. The copies are cut into chunks dealt to a grid, all in flight
 at once; their loads bypass L1 and are 16 bytes wide.
 
-Counters, on the device (`stats` [4] int64, `experts.paged.STATS`): reads served by slots that
+Counters, on the device (`stats` [8] int64, `experts.paged.STATS`): reads served by slots that
 already held the expert, reads of experts admitted this forward, reads of experts left out of
-the slots (from host memory), admissions. `experts.paged.page_ref` is the same decision in
-torch (the CPU's path, and the kernel's test oracle).
+the slots (from host memory), admissions; experts a prediction named outside the slots and of
+those routed, experts prefetched and of those routed. `experts.paged.page_ref` is the same
+decision in torch (the CPU's path, and the kernel's test oracle).
 
 Letters: E experts, S device slots, N routed assignments (tokens x k).
 """
