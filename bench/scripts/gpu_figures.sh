@@ -1495,6 +1495,17 @@ PY
     synth qwen3-30b-a3b q30
     disk 1.76 300 1
     ;;
+  s32h)  # the paged GPU tests at the session's last code; issue #5's grouped chains (a program
+    # takes 2 consecutive blocks of one expert, so the second reads it from the SM's caches):
+    # their GPU bits test, then the 30B at 16 and 32 requests, chain 1 (default) and 2 in
+    # turn. Prediction: tests pass; chain 2 +5-15% at 32 requests, +0-10% at 16
+    timeout 100 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k gpu > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
+      --tb=short -k chains > "$out/chaintests.txt" 2>&1; tail -3 "$out/chaintests.txt"
+    synth qwen3-30b-a3b q30
+    AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
+    ;;
   s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
     # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
     # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)
