@@ -2,8 +2,9 @@
 (hits and misses per tier, bytes moved per tier, prefetch accuracy, stall time), present only
 when experts are streamed (`--gpu-expert-cache-gib`); with `--expert-zero-copy`, the reads
 per tier, the bytes that crossed the host link and the promotions (swaps); with
-`--expert-paging`, the reads by where they were served and the experts paged in. It runs after the
-timed sections, so its figures describe exactly the traffic those measurements paid for."""
+`--expert-paging`, the reads by where they were served, the experts paged in and the next-layer
+prediction's precision and prefetches. It runs after the timed sections, so its figures
+describe exactly the traffic those measurements paid for."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ _RATES = (
     "host_hit_rate",
     "prefetch_accuracy",
     "prediction_recall",
+    "prediction_precision",
     "device_read_share",
     "slot_hit_rate",
 )
