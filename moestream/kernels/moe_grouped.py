@@ -61,7 +61,8 @@ class MoeGroupedConfig:
     up to `chain` consecutive blocks of one expert, one after the other, so that the later ones
     find its weight rows in the SM's caches (an expert of 3-4 assignments at 2 a block is read
     from memory once, not twice); 1: a program a block. A block's bits do not depend on it.
-    Prepared, not yet timed on a GPU (`bench/kernels_gpu.py --sweep-moe-chain`)."""
+    Timed on the H200 (bench/RESULTS.md, twenty-second session): chains of 2 made the 30B's
+    decode at 16 / 32 requests 17% / 30% slower (fewer programs in flight), so 1 stays."""
 
     block_m: int = 4
     up_block_n: int = 8
