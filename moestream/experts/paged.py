@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from moestream.errors import CapacityError, UnsupportedError
 from moestream.experts.counters import phase_of
-from moestream.experts.zero_copy import ExpertStage
+from moestream.experts.zero_copy import ExpertStage, TwoTierStacks
 from moestream.weights.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class PhaseRow:
         self.row = PHASES.index(phase_of(plan))
 
 
-class PagedExperts:
+class PagedExperts(TwoTierStacks):
     """The `ExpertProvider` of one layer under paged placement (module docstring)."""
 
     # the fused path needs nothing from the host: CUDA graphs capture the paging with the layer
@@ -275,18 +275,6 @@ class PagedExperts:
     def held(self) -> list[int]:
         """The experts in device slots now, by slot (-1: empty); one device sync."""
         return self.owner.tolist()
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one expert (gate, up and down)."""
-        return self._expert_bytes
-
-    @property
-    def nbytes(self) -> dict[str, int]:
-        return {
-            "device": sum(w.data.numel() for w in self._dev),
-            "host": sum(w.data.numel() for w in self._host),
-        }
 
 
 @functools.cache

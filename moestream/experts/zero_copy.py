@@ -115,7 +115,30 @@ def host_computable(stacks: Sequence[QTensor]) -> bool:
     return shapes and gate.qtype == up.qtype == q.Q4_K and down.qtype in (q.Q4_K, q.Q6_K)
 
 
-class ZeroCopyExperts:
+class TwoTierStacks:
+    """Sizes of a provider that keeps its experts' stacks in device memory (`_dev`) and pinned
+    host memory (`_host`), `_expert_bytes` the bytes of one expert (zero-copy and paged
+    placement)."""
+
+    _dev: list[QTensor]
+    _host: list[QTensor]
+    _expert_bytes: int
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate, up and down)."""
+        return self._expert_bytes
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per tier ("device", "host")."""
+        return {
+            "device": sum(w.data.numel() for w in self._dev),
+            "host": sum(w.data.numel() for w in self._host),
+        }
+
+
+class ZeroCopyExperts(TwoTierStacks):
     """The `ExpertProvider` of one layer under zero-copy placement (module docstring)."""
 
     def __init__(
@@ -371,18 +394,6 @@ class ZeroCopyExperts:
         if self._on_device[e]:
             return "device"
         return "cpu" if self.host_marked[e] else "host"
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one expert (gate, up and down)."""
-        return self._expert_bytes
-
-    @property
-    def nbytes(self) -> dict[str, int]:
-        return {
-            "device": sum(w.data.numel() for w in self._dev),
-            "host": sum(w.data.numel() for w in self._host),
-        }
 
 
 def rebalance_all(providers: Sequence[ZeroCopyExperts]) -> int:
