@@ -199,8 +199,10 @@ def _gib_for(llm: LLM, slots: int) -> float:
 
 @pytest.mark.parametrize("slots", [1, 5, 8])
 def test_tokens_tables_and_counters(resident: LLM, slots: int) -> None:
-    llm = paged(_gib_for(paged(1.0), slots))
+    gib = _gib_for(paged(1.0), slots)
+    llm = paged(gib)
     assert {p.n_slots for p in llm.paged} == {slots}
+    assert sum(p.nbytes["device"] for p in llm.paged) <= gib * 2**30  # within the budget
     assert all(moe.capturable for moe in llm.model.moe_layers())  # no host work per forward
     assert run(llm) == run(resident)
     for p in llm.paged:  # slot table and owners are inverse maps; the bytes are the owners'
