@@ -52,6 +52,7 @@ import bisect
 import contextlib
 import gc
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -113,46 +114,51 @@ class CudaGraphBackend:
 
     def warm_up(self, fn: Callable[[], torch.Tensor]) -> None:
         """Run `fn` once on a side stream (as torch's capture docs ask): kernels compile and the
-        allocator sees the shapes before capture. `warming_up()` is true meanwhile."""
-        global _warming_up
+        allocator sees the shapes before capture. `warming_up()` is true meanwhile (in this
+        thread)."""
         current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
-        _warming_up = True
+        _capture.warming_up = True
         try:
             with torch.cuda.stream(stream):
                 fn()
         finally:
-            _warming_up = False
+            _capture.warming_up = False
         current.wait_stream(stream)
 
 
-_warming_up = False
-_captured_phase = "decode"
+class _CaptureState(threading.local):
+    """What this thread's capture is doing (each engine thread captures its own graphs)."""
+
+    warming_up = False
+    phase = "decode"
+
+
+_capture = _CaptureState()
 
 
 def warming_up() -> bool:
     """Whether the forward running now is a capture's warm-up on padding rows (not a step):
     counters kept on the device leave it out (`experts.paged`)."""
-    return _warming_up
+    return _capture.warming_up
 
 
 def captured_phase() -> str:
     """The phase ("decode" or "prefill", `experts.counters.phase_of`) of the steps that the
     graph being captured now will run: decode and verify graphs, or a prefill graph's
     (`capturing_phase`). Counters kept on the device pick their row by it."""
-    return _captured_phase
+    return _capture.phase
 
 
 @contextlib.contextmanager
 def capturing_phase(phase: str) -> Iterator[None]:
-    """Graphs captured inside run steps of `phase` (`captured_phase`)."""
-    global _captured_phase
-    before, _captured_phase = _captured_phase, phase
+    """Graphs captured inside (in this thread) run steps of `phase` (`captured_phase`)."""
+    before, _capture.phase = _capture.phase, phase
     try:
         yield
     finally:
-        _captured_phase = before
+        _capture.phase = before
 
 
 @contextlib.contextmanager

@@ -535,3 +535,34 @@ def test_host_table_types_block_capture_only_off_the_kernels(monkeypatch):
     monkeypatch.setattr(linear_mod, "HAS_TRITON", True)
     assert not linear_mod.needs_host_table(weight(Q.IQ4_XS))
     assert linear_mod.needs_host_table(weight(Q.NVFP4, 64))  # no kernel unpacks NVFP4
+
+
+def test_capture_state_is_the_threads_own() -> None:
+    """`captured_phase` names the phase a graph captured now will run ("decode" unless inside
+    `capturing_phase`), per thread: a server's engine thread capturing a prefill graph does not
+    change what another thread's capture counts as."""
+    import threading
+
+    from moestream.runner.cuda_graph import captured_phase, capturing_phase, warming_up
+
+    assert captured_phase() == "decode" and not warming_up()
+    seen = []
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with capturing_phase("prefill"):
+            seen.append(captured_phase())
+            inside.set()
+            release.wait(5)
+        seen.append(captured_phase())
+
+    t = threading.Thread(target=other)
+    t.start()
+    inside.wait(5)
+    assert captured_phase() == "decode"  # this thread's own
+    release.set()
+    t.join()
+    assert seen == ["prefill", "decode"]
+    with capturing_phase("prefill"):
+        assert captured_phase() == "prefill"
+    assert captured_phase() == "decode"
