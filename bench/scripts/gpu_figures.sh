@@ -1506,6 +1506,21 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s33a)  # next session: issue #7's batch 8 against llama.cpp with experts on the CPU at the
+    # same GPU memory (ANCHORS.md's batch-1 placements: -ncmoe 24 / 36 / all 48 layers), built
+    # here from .llama/src (carry it with .whl); llama-batched-bench at 1 and 8 sequences,
+    # 32-token prompts, 32 tokens each. moestream's 8 requests (twenty-second session): 50%
+    # 452.4, 25% 119.5, 10% 67.1 aggregate. Prediction: llama.cpp 8 sequences 100-250 tok/s
+    # aggregate at each (its CPU reads each routed expert once a step)
+    (timeout 400 bash bench/scripts/build_llamacpp.sh .llama/src /tmp/llama 90 \
+      "llama-batched-bench" > /tmp/r/build.out 2>&1; echo "[build rc=$?]" >> /tmp/r/build.out) &
+    synth qwen3-30b-a3b q30
+    wait; tail -2 /tmp/r/build.out
+    for n in 24 36 48; do
+      timeout 120 /tmp/llama/out/bin/llama-batched-bench -m /tmp/q30.gguf -ngl 99 -fa 1 \
+        -ncmoe $n -c 4096 -npp 32 -ntg 32 -npl 1,8 2>&1 | grep "^|" | tee "$out/llama_c8_$n.md"
+    done
+    ;;
   s32b)  # the synth 30B with the prediction on and off (its random routers predict poorly:
     # the gate should keep it mostly off): 25% temperature 1 and 50% greedy, then resident.
     # Prediction: on within 5% of off at both (25% t1 ~222, 50% greedy ~323)
