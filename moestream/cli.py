@@ -179,10 +179,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--expert-prediction",
         choices=["on", "off"],
         default="on",
-        help="with paged experts: each layer applies the next layer's router to its own FFN "
-        "input and pages the experts it names into the next layer's slots on a side stream "
-        "while this layer computes, as long as at least half of what such predictions name "
-        "outside the slots is then routed (counted in bench's experts section and /metrics)",
+        help="next-layer prediction of paged and streamed experts: each layer applies the next "
+        "layer's router to its own FFN input and loads the experts it names ahead (paged: into "
+        "the next layer's slots on a side stream while this layer computes), as long as at "
+        "least half of what such predictions name is then routed (counted in bench's experts "
+        "section and /metrics); off: load on demand only",
     )
     e.add_argument(
         "--expert-rebalance-steps",

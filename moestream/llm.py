@@ -137,9 +137,9 @@ class LLM:
     (`experts.paged`: no host work, CUDA graphs stay on). None (the default) pages on CUDA
     wherever the budgets allow (the host budget holds every expert, the device budget a layer's
     experts and a slot a layer, kernel-path types) and streams otherwise; False always streams.
-    Paged layers predict the next layer's experts (its router applied to their FFN input) and
-    prefetch them while such predictions are mostly right (`PagedExperts.predict`);
-    `expert_prediction=False` turns that off. `expert_direct_io` reads
+    Paged and streamed layers predict the next layer's experts (its router applied to their
+    FFN input) and prefetch them while such predictions are mostly right
+    (`PagedExperts.predict`, `StreamedMoE`); `expert_prediction=False` turns that off. `expert_direct_io` reads
     streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
     bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
     so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
@@ -247,7 +247,7 @@ class LLM:
                 direct=expert_direct_io,
             )  # fmt: skip
             self.model = build_model(defer_expert_tensors(self.source), self.device, act)
-            attach_expert_store(self.model, self.expert_store)
+            attach_expert_store(self.model, self.expert_store, predict=expert_prediction)
         else:
             self.model = build_model(self.source, device=self.device, dtype=act)
         if weight_cache_gib is None:

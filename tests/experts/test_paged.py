@@ -379,3 +379,24 @@ def test_info_says_which_placement_cuda_gets() -> None:
     assert at_half["paged_bytes_per_token"] == pytest.approx(0.5 * per_token)
     streamed = describe_placement(DEMO_MODEL, ExpertBudgets(0.005, 0.0))
     assert streamed["paged_slots"] is None and "not paged" in format_placement(streamed)
+
+
+def test_expert_prediction_off_turns_off_the_streamed_stores_too() -> None:
+    """`expert_prediction=False` means load on demand for either placement: with the streamed
+    store (the CPU's placement by default) no prediction is made or prefetched, and the tokens
+    are those it gives with predictions."""
+    if not DEMO_MODEL.is_file():
+        pytest.skip("demo model is not in this checkout")
+    out, stats = {}, {}
+    for predict in (True, False):
+        llm = LLM(
+            DEMO_MODEL, device="cpu", max_model_len=256, gpu_expert_cache_gib=0.004,
+            host_expert_cache_gib=1.0, expert_prediction=predict,
+        )  # fmt: skip
+        assert llm.expert_store is not None and not llm.paged
+        out[predict] = run(llm)
+        stats[predict] = llm.expert_store.counters.snapshot()
+        llm.expert_store.close()
+    assert out[True] == out[False]
+    assert stats[True]["predicted"] > 0 and stats[True]["prefetch_issued"] > 0
+    assert stats[False]["predicted"] == stats[False]["prefetch_issued"] == 0
