@@ -139,13 +139,13 @@ class LLM:
     experts and a slot a layer, kernel-path types) and streams otherwise; False always streams.
     Paged and streamed layers predict the next layer's experts (its router applied to their
     FFN input) and prefetch them while such predictions are mostly right
-    (`PagedExperts.predict`, `StreamedMoE`); `expert_prediction=False` turns that off. `expert_direct_io` reads
-    streamed experts from the file with O_DIRECT (past the page cache). `weight_cache_gib` keeps
-    bf16 copies of that many GiB of quantized weights on a GPU (`CausalLM.cache_weight_values`)
-    so that prefill-size matmuls skip dequantizing them: memory for prefill speed; decode and
-    results are unchanged. On the CPU it keeps copies in the model's dtype for every matmul
-    (None, the default: up to `CPU_WEIGHT_CACHE_GIB`; on a GPU None is 0); results keep their
-    bits.
+    (`PagedExperts.predict`, `StreamedMoE`); `expert_prediction=False` turns that off.
+    `expert_direct_io` reads streamed experts from the file with O_DIRECT (past the page
+    cache). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized weights on a GPU
+    (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip dequantizing them: memory
+    for prefill speed; decode and results are unchanged. On the CPU it keeps copies in the
+    model's dtype for every matmul (None, the default: up to `CPU_WEIGHT_CACHE_GIB`; on a GPU
+    None is 0); results keep their bits.
     """
 
     def __init__(
