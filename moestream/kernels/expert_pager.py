@@ -24,11 +24,10 @@ slot p, its rank; `stage_slot[e] = p`), and the same grid copies each from `addr
 device speed, or host memory, across the link) into a stage stack, for forwards whose routed
 experts do not all fit the slots.
 
-Up to `SMALL_ADMIT` admissions (a decode forward's) are paired one at a time, the hottest
-missing expert with the coldest free slot; more are ranked at once over [E, E] and [S, S]
-comparisons (E <= `MAX_EXPERTS`); either runs only when some routed expert is missing. The
-copies are cut into chunks dealt to a grid, all in flight at once; their loads bypass L1 and
-are 16 bytes wide.
+The admission is vectorised over [E, E] and [S, E] comparisons (ranks instead of a loop), so
+one program decides in microseconds for E <= `MAX_EXPERTS`, and the comparisons run only when
+some routed expert is missing. The copies are cut into chunks dealt to a grid, all in flight
+at once; their loads bypass L1 and are 16 bytes wide.
 
 Counters, on the device (`stats` [8] int64, `experts.paged.STATS`): reads served by slots that
 already held the expert, reads of experts admitted this forward, reads of experts left out of
@@ -56,9 +55,6 @@ COPY_PROGRAMS_PER_SM = 4
 COPY_BLOCK = 1024
 COPY_WARPS = 4
 PAGER_WARPS = 8  # the one program that decides (bench/paging.py: 8 took 6 us off 4's)
-# Admissions up to this many a forward are paired one at a time (two 1-D reductions each); more
-# by ranks over [E, E] and [S, S] comparisons
-SMALL_ADMIT = tl.constexpr(8)
 
 
 @triton.jit
@@ -74,58 +70,37 @@ def _reads(ids_ptr, N, e, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _admit(
-    e, cnt, missing, n_missing, heat, heat_ptr, ids_ptr, N, slot_of_ptr, owner_ptr, addr_ptr,
-    host_addr_ptr, slot_addr_ptr, copy_ptr, E: tl.constexpr, S: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr,
+    slot_addr_ptr, copy_ptr, E: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    """Admit the `missing` experts (hottest first by `heat`, which this program has stored at
-    heat_ptr; ties: lower id) into the slots of the coldest experts that the N ids at ids_ptr
-    (counted in `cnt`) do not name (an empty slot first; ties: lower slot): rewrite slot_of,
-    owner and addr, write the copy list. Returns ([BLOCK_E] admitted, n). Up to `SMALL_ADMIT`
-    admissions pair one at a time (the hottest missing expert, the coldest free slot: two
-    reductions each); more by ranks over [E, E] and [S, S] comparisons."""
+    """Admit the `missing` experts (hottest first by `heat`; ties: lower id) into the slots of
+    the coldest experts that `cnt` does not name (an empty slot first; ties: lower slot):
+    rewrite slot_of, owner and addr, write the copy list. Returns ([BLOCK_E] admitted, n)."""
     s = tl.arange(0, BLOCK_S)
     owner = tl.load(owner_ptr + s, mask=s < S, other=-1)
-    tl.debug_barrier()  # every thread's heat stored before the owners' are read back
-    owner_heat = tl.load(heat_ptr + owner, mask=owner >= 0, other=0.0, cache_modifier=".cg")
-    owner_named = (_reads(ids_ptr, N, owner, BLOCK_S, BLOCK_N) > 0) & (owner >= 0)
+    held = owner[:, None] == e[None, :]  # [BS, BE]: slot s holds expert e
+    owner_heat = tl.sum(tl.where(held, heat[None, :], 0.0), axis=1)
+    owner_named = tl.sum((held & (cnt[None, :] > 0)).to(tl.int32), axis=1) > 0
     free = (s < S) & ~owner_named  # slots this forward may give up
     score = tl.where(owner < 0, -1.0, owner_heat)  # empty slots first, then the coldest
+    # rank of each missing expert, hottest first (ties: lower id), and of each free slot,
+    # coldest first (ties: lower slot): the i-th of one goes to the i-th of the other
+    ahead = missing[None, :] & (
+        (heat[None, :] > heat[:, None])
+        | ((heat[None, :] == heat[:, None]) & (e[None, :] < e[:, None]))
+    )  # [BE, BE]
+    rank_e = tl.sum(ahead.to(tl.int32), axis=1)
+    colder = free[None, :] & (
+        (score[None, :] < score[:, None])
+        | ((score[None, :] == score[:, None]) & (s[None, :] < s[:, None]))
+    )  # [BS, BS]
+    rank_s = tl.sum(colder.to(tl.int32), axis=1)
     n = tl.minimum(n_missing, tl.sum(free.to(tl.int32)))
-    # rank of each admitted expert (hottest first) and of the slot it goes to (coldest first):
-    # the i-th of one goes to the i-th of the other
-    if n <= SMALL_ADMIT:
-        rank_e = tl.full([BLOCK_E], BLOCK_E + BLOCK_S, tl.int32)  # not ranked
-        rank_s = tl.full([BLOCK_S], BLOCK_E + BLOCK_S, tl.int32)
-        new_slot = tl.zeros([BLOCK_E], dtype=tl.int32)
-        new_owner = tl.zeros([BLOCK_S], dtype=tl.int32)
-        for i in range(0, n):
-            x = tl.argmax(tl.where(missing & (rank_e > i), heat, -1.0), axis=0)  # heat >= 0
-            y = tl.argmin(tl.where(free & (rank_s > i), score, 3.0e38), axis=0)
-            rank_e = tl.where(e == x, i, rank_e)
-            rank_s = tl.where(s == y, i, rank_s)
-            new_slot = tl.where(e == x, y, new_slot)
-            new_owner = tl.where(s == y, x, new_owner)
-    else:
-        ahead = missing[None, :] & (
-            (heat[None, :] > heat[:, None])
-            | ((heat[None, :] == heat[:, None]) & (e[None, :] < e[:, None]))
-        )  # [BE, BE]
-        rank_e = tl.sum(ahead.to(tl.int32), axis=1)
-        colder = free[None, :] & (
-            (score[None, :] < score[:, None])
-            | ((score[None, :] == score[:, None]) & (s[None, :] < s[:, None]))
-        )  # [BS, BS]
-        rank_s = tl.sum(colder.to(tl.int32), axis=1)
-        pair = (
-            (missing & (rank_e < n))[:, None]
-            & (free & (rank_s < n))[None, :]
-            & (rank_e[:, None] == rank_s[None, :])
-        )  # [BE, BS]
-        new_slot = tl.sum(tl.where(pair, s[None, :], 0), axis=1)  # [BE]
-        new_owner = tl.sum(tl.where(pair, e[:, None], 0), axis=0)  # [BS]
     take = missing & (rank_e < n)  # [BE] admitted now
     give = free & (rank_s < n)  # [BS] slots they go to
+    pair = take[:, None] & give[None, :] & (rank_e[:, None] == rank_s[None, :])
+    new_slot = tl.sum(tl.where(pair, s[None, :], 0), axis=1)  # [BE]
+    new_owner = tl.sum(tl.where(pair, e[:, None], 0), axis=0)  # [BS]
     leaving = give & (owner >= 0)
     tl.store(slot_of_ptr + owner, tl.full([BLOCK_S], -1, tl.int32), mask=leaving)
     tl.store(slot_of_ptr + e, new_slot, mask=take)
@@ -166,8 +141,8 @@ def _pager_kernel(
         named, routed = tl.sum(tl.where(g == 0, gate, 0.0)), tl.sum(tl.where(g == 1, gate, 0.0))
         if (n_missing > 0) & (routed >= min_precision * named):
             take, n = _admit(
-                e, cnt, missing, n_missing, heat, heat_ptr, ids_ptr, N, slot_of_ptr, owner_ptr,
-                addr_ptr, host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_E, BLOCK_S, BLOCK_N,
+                e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
             )  # fmt: skip
             tl.store(mark_ptr + e, tl.full([BLOCK_E], 2, tl.int8), mask=take)  # 2: copied
         tl.store(copy_ptr, n)
@@ -190,9 +165,8 @@ def _pager_kernel(
             admitted = n
             if n_missing > 0:  # the rest only when some routed expert is not in a slot
                 take, n = _admit(
-                    e, cnt, missing, n_missing, heat, heat_ptr, ids_ptr, N, slot_of_ptr,
-                    owner_ptr, addr_ptr, host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_E,
-                    BLOCK_S, BLOCK_N,
+                    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                    host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
                 )  # fmt: skip
                 admitted = tl.sum(tl.where(take, cnt, 0))
             tl.store(copy_ptr, n)

@@ -69,14 +69,12 @@ def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int)
             guess = other if f in (2, 3) else torch.cat([ids[:, : k // 2 + 1], other], 1)
             schedule.append((guess, True, True))
         schedule.append((ids, False, f != 1))  # forward 1 only counts, as a long one
-    admitted = []  # experts admitted by each call
     for step, (ids, predict, admit) in enumerate(schedule):
         gate_open = float(ref["gate"][1]) >= 0.5 * float(ref["gate"][0])
         moves = page_ref(
             ids, ref["heat"], ref["slot_of"], ref["owner"], ref["stats"], 0.9, admit,
             ref["mark"], ref["gate"], predict,
         )  # fmt: skip
-        admitted.append(len(moves))
         page(
             ids.to(DEVICE), dev["heat"], dev["slot_of"], dev["owner"], addr, host_addr,
             slot_addr, copies, dev["stats"], dev["mark"], dev["gate"], words, 0.9, admit,
@@ -102,10 +100,6 @@ def test_pager_kernel_matches_its_reference(e: int, s: int, tokens: int, k: int)
             assert outside == 0  # room for all: every named expert got a slot
     stats = dict(zip(STATS, ref["stats"].tolist(), strict=True))
     assert stats["admissions"] > 0 and stats["slot_reads"] > 0  # admissions and hits happened
-    if e == 40:  # both of the kernel's ways of pairing: one at a time, and by ranks
-        from moestream.kernels.expert_pager import SMALL_ADMIT
-
-        assert 0 < min(n for n in admitted if n) <= SMALL_ADMIT < max(admitted), admitted
     assert stats["prefetched"] > 0 and stats["prefetched_used"] <= stats["prefetched"]
     if s >= 2 * k:  # room for a half-right prediction's experts: some were then routed
         assert stats["prefetched_used"] > 0
