@@ -1508,7 +1508,9 @@ PY
     ;;
   s33a)  # next session: issue #7's batch 8 against llama.cpp with experts on the CPU at the
     # same GPU memory (ANCHORS.md's batch-1 placements: -ncmoe 24 / 36 / all 48 layers), built
-    # here from .llama/src (carry it with .whl); llama-batched-bench at 1 and 8 sequences,
+    # here from .llama/src (vendor/llama.cpp of the llama-cpp-python sdist from PyPI: `pip
+    # download --no-deps --no-binary :all: llama-cpp-python`, unpacked; git-ignored; carry it
+    # with .whl); llama-batched-bench at 1 and 8 sequences,
     # 32-token prompts, 32 tokens each. moestream's 8 requests (twenty-second session): 50%
     # 452.4, 25% 119.5, 10% 67.1 aggregate. Prediction: llama.cpp 8 sequences 100-250 tok/s
     # aggregate at each (its CPU reads each routed expert once a step)
