@@ -237,7 +237,7 @@ class PagedExperts(TwoTierStacks):
         copies overlap this layer's compute; the next layer's `prepare` waits for it. Forwards
         that the slots serve only (tokens x k <= slots, up to `PAGE_MAX_TOKENS` tokens): longer
         ones read a stage, and name so many experts that they would open the gate for the
-        forwards after them (a 32-token prompt of the synth 30B: 80% of the experts named were
+        forwards after them (a 32-token prompt of the synth 30B: 78% of the experts named were
         routed, against 30% a decode token; bench/RESULTS.md)."""
         nxt, router = self.next, self.next_router
         if nxt is None or router is None or x.shape[0] > PAGE_MAX_TOKENS:
@@ -294,8 +294,8 @@ def _prediction_stream(device: torch.device) -> tuple[torch.cuda.Stream, torch.T
 
 @functools.cache
 def _prefetch_programs(device: torch.device) -> int:
-    """The prefetch's copy grid: a program a SM (as fast over the link as more: bench/paging.py),
-    leaving room for the compute it overlaps."""
+    """The prefetch's copy grid: a program a SM, leaving room for the compute it overlaps (1 to
+    8 programs a SM copied within 1% of each other: bench/RESULTS.md, twenty-first session)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -70,7 +70,7 @@ def _reads(ids_ptr, N, e, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _admit(
-    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr,
+    e, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr, host_addr_ptr,
     slot_addr_ptr, copy_ptr, E: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     """Admit the `missing` experts (hottest first by `heat`; ties: lower id) into the slots of
@@ -141,7 +141,7 @@ def _pager_kernel(
         named, routed = tl.sum(tl.where(g == 0, gate, 0.0)), tl.sum(tl.where(g == 1, gate, 0.0))
         if (n_missing > 0) & (routed >= min_precision * named):
             take, n = _admit(
-                e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                e, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
                 host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
             )  # fmt: skip
             tl.store(mark_ptr + e, tl.full([BLOCK_E], 2, tl.int8), mask=take)  # 2: copied
@@ -165,7 +165,7 @@ def _pager_kernel(
             admitted = n
             if n_missing > 0:  # the rest only when some routed expert is not in a slot
                 take, n = _admit(
-                    e, emask, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
+                    e, cnt, missing, n_missing, heat, slot_of_ptr, owner_ptr, addr_ptr,
                     host_addr_ptr, slot_addr_ptr, copy_ptr, E, S, BLOCK_S,
                 )  # fmt: skip
                 admitted = tl.sum(tl.where(take, cnt, 0))

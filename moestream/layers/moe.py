@@ -206,9 +206,8 @@ class SparseMoE:
     def takes_q8(self, x: torch.Tensor) -> bool:
         """Whether the forward on x [T, H] rounds x to q8 blocks (the fused kernel's integer-dot
         path over the provider's slots): the norm producing x can then do it (`norm.with_q8`)."""
-        if getattr(self.experts, "expert_addr", None) is not None or not fused_moe_path(x):
-            return False
-        if not self.resident:
+        zero_copy = getattr(self.experts, "expert_addr", None) is not None
+        if zero_copy or not fused_moe_path(x) or not self.resident:
             return False
         gate, up, down = self.experts.stacked()  # type: ignore[attr-defined]
         return ops.moe_takes_q8(x, self.top_k, gate, up, down, self.experts.num_experts)
