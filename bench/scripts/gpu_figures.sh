@@ -1506,6 +1506,32 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s34a)  # issue #7's batch 8 against llama.cpp with experts on the CPU at the same GPU memory
+    # (ANCHORS.md's batch-1 placements: -ncmoe 24 / 36 / all 48 layers), llama.cpp built here
+    # from .llama/src.tgz (vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist from PyPI,
+    # models/docs/media/benches/tools/ui and the unused ggml backends removed; git-ignored;
+    # carry it with .whl); llama-batched-bench at 1 and 8 sequences, 32-token prompts, 32
+    # tokens each. The paged GPU tests at the last code (while it builds). Then where a step's
+    # time goes at 16 requests and in the warm 32k prefix step (issue #5). moestream's 8
+    # requests (twenty-second session): 50% 452.4, 25% 119.5, 10% 67.1 aggregate. Prediction:
+    # llama.cpp at 1 sequence within 5% of ANCHORS.md (80.8 / 55.9 / 47.2); 8 sequences
+    # 100-250 tok/s aggregate at each (its CPU reads each routed expert once a step)
+    (timeout 420 bash bench/scripts/build_llamacpp.sh .llama/src.tgz /tmp/llama 90 \
+      "llama-batched-bench" > /tmp/r/build.out 2>&1; echo "[build rc=$?]" >> /tmp/r/build.out) &
+    synth qwen3-30b-a3b q30
+    timeout 150 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k "gpu or kernel or gather or prepare" > "$out/gputests.txt" 2>&1
+    tail -3 "$out/gputests.txt"
+    wait; tail -2 /tmp/r/build.out
+    for n in 24 36 48; do
+      timeout 100 /tmp/llama/out/bin/llama-batched-bench -m /tmp/q30.gguf -ngl 99 -fa 1 \
+        -ncmoe $n -c 4096 -npp 32 -ntg 32 -npl 1,8 2>&1 | grep "^|" | tee "$out/llama_c8_$n.md"
+    done
+    timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill "" \
+      --batch 16 --decode-tokens 16 --rows 30 --prefix-reuse 32768:31744 \
+      > "$out/profile_b16_prefix.txt" 2>&1
+    echo "[profile rc=$?]"; grep -v "^USDT\|^$" "$out/profile_b16_prefix.txt" | head -100
+    ;;
   s33a)  # next session: issue #7's batch 8 against llama.cpp with experts on the CPU at the
     # same GPU memory (ANCHORS.md's batch-1 placements: -ncmoe 24 / 36 / all 48 layers), built
     # here from .llama/src (vendor/llama.cpp of the llama-cpp-python sdist from PyPI: `pip
