@@ -613,14 +613,15 @@ def sweep_moe_mmq(gen, copy_gbs: float) -> None:
     print(f"least summed time: {best} {full[best]}")
 
 
-def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, chain: bool = False) -> None:
+def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, down: bool = False) -> None:
     """The MoE "grouped" path (`moe_grouped`: each expert's weights read once per block of its
     assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
     defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64; `small`: at T = 4, 8, 12
     (where mmvq serves now) with 1-2 assignments a block, and the down kernel's shapes at
-    T = 16, 32 around the default; `chain`: the default shapes with chains of 1, 2, 4 and 8
-    blocks a program at T = 8-64. Prints every row, then the fastest shape per T and the one
-    with the least summed time."""
+    T = 16, 32 around the default; `down`: the default gate/up with the down kernel's rows (8,
+    16, 32), groups a step (1: F = 768's three groups one at a time; 4: at once, one masked)
+    and warps (1, 2, 4) at T = 16, 32. Prints every row, then the fastest shape per T and the
+    one with the least summed time."""
     from dataclasses import replace
 
     from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config
@@ -640,10 +641,15 @@ def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, chain: bool = F
         ts = (4, 8, 12, 16, 32)
     configs = [grouped_config(t * TOPK, E) for t in ts if t >= 16]
     configs += [MoeGroupedConfig(**dict(zip(fields, shape))) for shape in shapes]
-    if chain:  # T = 32 (32 requests, issue #5's figure) first: a run cut short keeps it
-        ts = (32, 16, 64, 8)
-        base = [grouped_config(t * TOPK, E) for t in (16, 64)]
-        configs = [replace(c, chain=n) for c in base for n in (1, 2, 4, 8)]
+    if down:  # T = 16 (16 requests, issue #5's figure furthest from its target) first
+        ts = (16, 32)
+        base = grouped_config(16 * TOPK, E)
+        configs = [base] + [
+            replace(base, down_block_n=n, down_groups=g, down_warps=w)
+            for n in (8, 16, 32)
+            for g in (1, 4)
+            for w in (1, 2, 4)
+        ]
     times: dict[MoeGroupedConfig, dict[int, float]] = {}
     for t in ts:
         for method in ("mmvq",) if t < 16 else ("mmvq", "mmq"):
@@ -895,9 +901,9 @@ def main() -> int:
         help="the same at T=4..12 (mmvq's range) and the down kernel's shapes at T=16, 32",
     )
     parser.add_argument(
-        "--sweep-moe-chain",
+        "--sweep-moe-down",
         action="store_true",
-        help="the grouped path's default shapes with chains of 1-8 blocks a program, T=8..64",
+        help="the grouped path's down kernel: rows, groups a step and warps at T=16, 32",
     )
     parser.add_argument(
         "--sweep-moe-host",
@@ -935,7 +941,7 @@ def main() -> int:
         (args.sweep_moe_mmq, sweep_moe_mmq),
         (args.sweep_moe_grouped, sweep_moe_grouped),
         (args.sweep_moe_grouped_small, functools.partial(sweep_moe_grouped, small=True)),
-        (args.sweep_moe_chain, functools.partial(sweep_moe_grouped, chain=True)),
+        (args.sweep_moe_down, functools.partial(sweep_moe_grouped, down=True)),
         (args.sweep_moe_host, sweep_moe_host),
         (args.sweep_router, sweep_router),
         (args.sweep_moe_once, sweep_moe_once),

@@ -18,6 +18,12 @@ Exits with status 1 on a mismatch.
 times instead, at bf16 activations, `mmq` against dequantize + cuBLAS for the dense decode and
 prefill shapes of Qwen3-30B-A3B and Qwen3-8B at M = 16 .. 256, and the MoE layer's "mmq" path
 against its dequantize + grouped GEMM path at T = 64 .. 256: where the defaults should switch.
+
+    python bench/mmq_gpu.py --split
+
+times `mmq` on Qwen3-30B-A3B's attention projections (q+k+v, q+k, v in Q6_K, o) at M = 8, 16
+and 24 with K split 1, 2, 4, 8 and 16 ways (the partial sums' reduction included), beside the
+split `mmq_config` picks: how many programs a batched decode step's dense matmuls need.
 """
 
 from __future__ import annotations
@@ -185,6 +191,41 @@ def moe_switch_case(t: int, gen: torch.Generator, reps: int) -> str:
     )
 
 
+def split_sweep(gen: torch.Generator, reps: int) -> None:
+    """`mmq` per K split on the 30B's attention projections (module docstring)."""
+    from moestream.kernels.mmq import mmq, mmq_config
+    from moestream.kernels.mmvq import quantize_q8
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(5120, 2048, T.Q4_K), (4608, 2048, T.Q4_K), (512, 2048, T.Q6_K), (2048, 4096, T.Q4_K)]
+    for n, k, qtype in shapes:
+        w = random_qtensor(qtype, (n, k), gen)
+        weights = [w] + [
+            QTensor(w.data.clone(), w.qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)
+        ]
+        for m in (8, 16, 24):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+            default = mmq_config(m, n, k, sms)
+            cells = []
+            for split in (1, 2, 4, 8, 16):
+                if (k // 256) % split:
+                    continue
+                cfg = default._replace(split_k=split)
+                calls = [
+                    lambda w=w_, c=cfg, x=x, o=out: mmq(quantize_q8(x), w, out=o, config=c)
+                    for w_ in weights
+                ]
+                us = graph_time_us(calls, reps)
+                cells.append(f"split {split:2d} {us:6.1f} us")
+            print(
+                f"mmq {qtype.name} M={m:2d} N={n:5d} K={k}: "
+                + " | ".join(cells)
+                + f" | default split {default.split_k}",
+                flush=True,
+            )
+
+
 def switch(gen: torch.Generator, reps: int) -> None:
     """Where the default paths should switch (ops.DEQUANT_MIN_M, moe.MMQ_MAX_ASSIGNMENTS)."""
     shapes = [  # Qwen3-30B-A3B q/k/v and o; Qwen3-8B q/k/v, o, gate+up, down
@@ -206,6 +247,9 @@ def main() -> int:
         "--switch", action="store_true",
         help="only time mmq against dequantize + cuBLAS / grouped GEMM (the default switches)",
     )  # fmt: skip
+    parser.add_argument(
+        "--split", action="store_true", help="only time mmq's K splits on the 30B's projections"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -216,6 +260,9 @@ def main() -> int:
     print(f"device: {props.name}, {props.multi_processor_count} SMs")
     if args.switch:
         switch(gen, args.reps)
+        return 0
+    if args.split:
+        split_sweep(gen, args.reps)
         return 0
     ok = True
     for n, k in ((12288, 4096), (4096, 2048)):

@@ -1506,6 +1506,24 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s34b)  # issue #5's batched decode (s34a's profile at 16 requests: the grouped MoE's down
+    # kernel 61.8 us a layer for ~90 MB, 1.4 TB/s; its gate/up 53.6; the align 12.3; the dense
+    # projections' mmq ~13 us a launch on 32-160 programs): the grouped kernels' GPU tests
+    # (chains removed, blocks bounded by max_blocks); mmq's K splits on the 30B's projections;
+    # the down kernel's rows / groups / warps; then the 30B at 16 and 32 requests with the old
+    # block bound and the new (cdiv(A, 2) + min(E, A) = 192 -> 128 blocks at 16 requests).
+    # Predictions: the new bound +1-4% at 16 requests; some split > default faster at M = 16
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 120 python3 -m pytest tests/kernels/test_moe_grouped.py tests/kernels/test_moe_align.py \
+      -q -p no:cacheprovider --tb=short -x > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    timeout 100 python3 bench/mmq_gpu.py --split 2>&1 | tee "$out/mmq_split.txt"
+    timeout 200 python3 bench/kernels_gpu.py --sweep-moe-down 2>&1 | tee "$out/sweep_down.txt" \
+      | grep -v "^ *$" | tail -45
+    wait
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode bound old "import triton, moestream.kernels.moe_align \
+as a; a.max_blocks = lambda n, e, bm: triton.cdiv(n, bm) + min(e, n); " 100
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode bound new "" 100
+    ;;
   s34a)  # issue #7's batch 8 against llama.cpp with experts on the CPU at the same GPU memory
     # (ANCHORS.md's batch-1 placements: -ncmoe 24 / 36 / all 48 layers), llama.cpp built here
     # from .llama/src.tgz (vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist from PyPI,

@@ -314,9 +314,16 @@ def warps_for(block_m: int) -> int:
     return 4 if block_m <= 16 else 8
 
 
+# K is split (in two, again and again) while a launch's programs fill under SPLIT_WAVES waves of
+# the SMs and each split keeps at least SPLIT_MIN_GROUPS groups of 256.
+SPLIT_WAVES = 2
+SPLIT_MIN_GROUPS = 4
+
+
 def mmq_config(m: int, n: int, k: int, sms: int) -> MmqConfig:
     """BLOCK_M the power of two >= M in 16..64, BLOCK_N 64, `warps_for`; K split in two while
-    the column blocks fill under two waves of the SMs and each split keeps at least 4 groups.
+    the column blocks fill under SPLIT_WAVES waves of the SMs and each split keeps at least
+    SPLIT_MIN_GROUPS groups.
     The split does not depend on M, so a row's result should not depend on the batch: every
     (row, column) runs the same float operations in the same order whatever tile holds it,
     the integer dots being exact (tested under the interpreter; to confirm on the GPU).
@@ -326,7 +333,11 @@ def mmq_config(m: int, n: int, k: int, sms: int) -> MmqConfig:
     programs = triton.cdiv(n, block_n)
     groups = k // 256
     split = 1
-    while programs * split < 2 * sms and groups % (2 * split) == 0 and groups // split >= 8:
+    while (
+        programs * split < SPLIT_WAVES * sms
+        and groups % (2 * split) == 0
+        and groups // (2 * split) >= SPLIT_MIN_GROUPS
+    ):
         split *= 2
     return MmqConfig(block_m, block_n, split, warps_for(block_m), 3)
 

@@ -47,6 +47,7 @@ import triton.language as tl
 from moestream.kernels import moe_mmvq
 from moestream.kernels._triton_dequant import ACTIVATION_DTYPES, MAGIC, check_weight, kernel_qtype
 from moestream.kernels.mmvq import MMVQ_DENSE_QTYPES, MMVQ_QTYPES, Q8Act
+from moestream.kernels.moe_align import max_blocks
 from moestream.kernels.moe_mmvq import MoeMmvqConfig, fused_moe_mmvq
 from moestream.kernels.quant_gemm import dot_precision, dot_superblock
 from moestream.kernels.quant_gemv import gemv_rows
@@ -275,8 +276,8 @@ def align_assignments(
     Returns (sorted_ids [num_blocks * block_m] int32: assignment ids, expert by expert in
     ascending order, each expert's run padded to whole blocks with the sentinel A;
     block_expert [num_blocks] int32: the expert of each block, `num_experts` for spare blocks
-    past the end). num_blocks = cdiv(A, block_m) + min(E, A) bounds the blocks needed, so the
-    shapes depend on (A, E, block_m) only and no count comes back to the host. `counts` [E],
+    past the end). num_blocks = `moe_align.max_blocks(A, E, block_m)` bounds the blocks needed,
+    so the shapes depend on (A, E, block_m) only and no count comes back to the host. `counts` [E],
     when the caller has them, are the assignments per expert (not counted again).
     """
     a = topk_ids.numel()
@@ -289,7 +290,7 @@ def align_assignments(
     counts = counts.long()
     blocks = (counts + block_m - 1) // block_m  # [E]
     block_end = torch.cumsum(blocks, 0)  # [E]
-    num_blocks = triton.cdiv(a, block_m) + min(num_experts, a)
+    num_blocks = max_blocks(a, num_experts, block_m)
     block_expert = torch.searchsorted(
         block_end, torch.arange(num_blocks, device=device), right=True
     )  # [num_blocks], E past the end

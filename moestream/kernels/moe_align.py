@@ -94,6 +94,16 @@ def _align_kernel(
         c += CHUNK
 
 
+def max_blocks(assignments: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of `block_m` rows that A assignments over E experts can fill: an expert
+    of c assignments takes ceil(c / block_m) <= (c + block_m - 1) / block_m blocks and at most
+    min(E, A) experts hold any, so the sum is at most (A + (block_m - 1) min(E, A)) / block_m,
+    reached when each holds 1 more than a multiple of block_m. The grouped MoE kernels launch
+    a program per bound block (those past the real ones return at once): at A = 128, E = 128,
+    block_m = 2 (16 tokens of the 30B) 128 blocks, where cdiv(A, block_m) + min(E, A) gave 192."""
+    return (assignments + (block_m - 1) * min(num_experts, assignments)) // block_m
+
+
 def _kernel_runs_here(device: torch.device) -> bool:
     """CUDA, or the CPU under the Triton interpreter (tests)."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -110,7 +120,7 @@ def align_blocks(
     (sorted_ids [num_blocks * block_m] int32: assignment ids, expert by expert in ascending
     order, ascending within an expert, each expert's run padded to whole blocks with the
     sentinel A; block_expert [num_blocks] int32: each block's expert, E for spare blocks past
-    the end), num_blocks = cdiv(A, block_m) + min(E, A). `counts` [E] (any integer dtype), when
+    the end), num_blocks = `max_blocks(A, E, block_m)`. `counts` [E] (any integer dtype), when
     given, must be the assignments per expert; they are then not counted again. Every output
     element is written; no host synchronisation.
     """
@@ -136,7 +146,7 @@ def align_blocks(
     ):
         raise ValueError(f"counts must be an integer [{num_experts}] on {topk_ids.device}")
     device = topk_ids.device
-    num_blocks = triton.cdiv(a, block_m) + min(num_experts, a)
+    num_blocks = max_blocks(a, num_experts, block_m)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     flat = topk_ids.reshape(-1)  # [A], a view when contiguous

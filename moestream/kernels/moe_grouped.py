@@ -57,12 +57,10 @@ class MoeGroupedConfig:
     """Launch shape: `block_m` assignments of one expert per block (1-16, a power of two);
     gate/up: `up_block_n` F rows per program, `up_groups` groups of 256 per K step,
     `up_warps`; down: `down_block_n` H rows, `down_groups`, `down_warps`. Warps are capped so
-    that each lane holds 4 words of a run (`mmvq_once.capped_warps`). `chain`: a program takes
-    up to `chain` consecutive blocks of one expert, one after the other, so that the later ones
-    find its weight rows in the SM's caches (an expert of 3-4 assignments at 2 a block is read
-    from memory once, not twice); 1: a program a block. A block's bits do not depend on it.
-    Timed on the H200 (bench/RESULTS.md, twenty-second session): chains of 2 made the 30B's
-    decode at 16 / 32 requests 17% / 30% slower (fewer programs in flight), so 1 stays."""
+    that each lane holds 4 words of a run (`mmvq_once.capped_warps`). (Programs taking chains of
+    consecutive blocks of one expert, so that later blocks find its rows in the SM's caches,
+    were tried and removed: 17% / 30% slower at 16 / 32 requests on the H200, fewer programs
+    in flight; bench/RESULTS.md, twenty-second session.)"""
 
     block_m: int = 4
     up_block_n: int = 8
@@ -71,7 +69,6 @@ class MoeGroupedConfig:
     down_block_n: int = 8
     down_groups: int = 4
     down_warps: int = 1
-    chain: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "up_block_n", "up_groups", "down_block_n", "down_groups"):
@@ -83,8 +80,6 @@ class MoeGroupedConfig:
         for name in ("up_warps", "down_warps"):
             if getattr(self, name) not in (1, 2, 4, 8):
                 raise ValueError(f"MoeGroupedConfig.{name} must be 1, 2, 4 or 8")
-        if self.chain not in (1, 2, 4, 8):
-            raise ValueError(f"MoeGroupedConfig.chain must be 1, 2, 4 or 8, got {self.chain}")
 
 
 # H200, Qwen3-30B-A3B layer, Q4_K/Q6_K (`python bench/kernels_gpu.py --sweep-moe-grouped`,
@@ -143,56 +138,21 @@ def _block_assignments(pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E,
 
 
 @triton.jit
-def _chain_lead(pid, block_expert_ptr, E, CHAIN: tl.constexpr):
-    """(whether program pid starts a chain, its block's expert): the blocks are sorted by
-    expert (the spare ones, expert E, last), so an expert's first block is found by binary
-    search; a chain starts at every CHAIN-th of its blocks (every block at CHAIN 1)."""
-    expert = tl.load(block_expert_ptr + pid)
-    if CHAIN == 1:
-        lead = pid >= 0
-    else:
-        lo = pid * 0
-        hi = pid
-        while lo < hi:  # the first block of this expert
-            mid = (lo + hi) // 2
-            below = tl.load(block_expert_ptr + mid) < expert
-            lo = tl.where(below, mid + 1, lo)
-            hi = tl.where(below, hi, mid)
-        lead = ((pid - lo) % CHAIN == 0) & (expert < E)
-    return lead, expert
-
-
-@triton.jit
-def _chain_block(pid, c, expert, block_expert_ptr, NB):
-    """Block c of the chain that program pid leads: its index, and whether it is one (inside
-    the blocks, of the chain's expert)."""
-    b = pid + c
-    same = tl.load(block_expert_ptr + tl.minimum(b, NB - 1)) == expert
-    return b, (b < NB) & same
-
-
-@triton.jit
 def _gate_up_grouped_kernel(
     xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, g_ptr, u_ptr, h_ptr,
-    A, E, NB, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
+    A, E, stride_xq, stride_xd, stride_ge, stride_gn, stride_ue, stride_un,
     F: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, H_GROUPS: tl.constexpr,
     TOPK: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (a chain of up to CHAIN blocks of BLOCK_M assignments of one expert, BLOCK_N rows
-    of F): gate and up rows against the assignments' tokens' activations, h = silu(g) * u
-    stored float32 into h [A, F]."""
+    """Program (a block of BLOCK_M assignments of one expert, BLOCK_N rows of F): gate and up
+    rows against the assignments' tokens' activations, h = silu(g) * u stored float32 into
+    h [A, F]."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
-    lead, expert = _chain_lead(pid, block_expert_ptr, E, CHAIN)
-    if lead:
-        for c in tl.static_range(CHAIN):
-            b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
-            if real:
-                _gate_up_block(b, xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr,
-                               slot_ptr, g_ptr, u_ptr, h_ptr, A, E, stride_xq, stride_xd,
-                               stride_ge, stride_gn, stride_ue, stride_un, F, QG, QU, H_GROUPS,
-                               TOPK, G, BLOCK_M, BLOCK_N, ASM)  # fmt: skip
+    _gate_up_block(tl.program_id(0), xq_ptr, xd_ptr, xs_ptr, sorted_ptr, block_expert_ptr,
+                   slot_ptr, g_ptr, u_ptr, h_ptr, A, E, stride_xq, stride_xd, stride_ge,
+                   stride_gn, stride_ue, stride_un, F, QG, QU, H_GROUPS, TOPK, G, BLOCK_M,
+                   BLOCK_N, ASM)  # fmt: skip
 
 
 @triton.jit
@@ -231,23 +191,16 @@ def _gate_up_block(
 @triton.jit
 def _down_grouped_kernel(
     hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr, y_ptr,
-    A, E, H, NB, stride_de, stride_dn,
+    A, E, H, stride_de, stride_dn,
     QD: tl.constexpr, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, CHAIN: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (a chain of up to CHAIN blocks of BLOCK_M assignments of one expert, BLOCK_N rows
-    of H): the down projection of the assignments' quantized h, times their routing weights,
-    into y [A, H]."""
+    """Program (a block of BLOCK_M assignments of one expert, BLOCK_N rows of H): the down
+    projection of the assignments' quantized h, times their routing weights, into y [A, H]."""
     pdl_start(PDL)
-    pid = tl.program_id(0)
-    lead, expert = _chain_lead(pid, block_expert_ptr, E, CHAIN)
-    if lead:
-        for c in tl.static_range(CHAIN):
-            b, real = _chain_block(pid, c, expert, block_expert_ptr, NB)
-            if real:
-                _down_block(b, hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr,
-                            d_ptr, weights_ptr, y_ptr, A, E, H, stride_de, stride_dn, QD, F, G,
-                            BLOCK_M, BLOCK_N, ASM)  # fmt: skip
+    _down_block(tl.program_id(0), hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr,
+                slot_ptr, d_ptr, weights_ptr, y_ptr, A, E, H, stride_de, stride_dn, QD, F, G,
+                BLOCK_M, BLOCK_N, ASM)  # fmt: skip
 
 
 @triton.jit
@@ -315,10 +268,10 @@ def moe_grouped(
     up_groups = min(cfg.up_groups, triton.next_power_of_2(h // 256))
     _gate_up_grouped_kernel[(num_blocks, f // cfg.up_block_n)](
         xa.q, xa.d, xa.s, sorted_ids, block_expert, expert_slot, gate.data, up.data, hidden,
-        a, num_experts, num_blocks, xa.q.stride(0), xa.d.stride(0), gate.data.stride(0),
+        a, num_experts, xa.q.stride(0), xa.d.stride(0), gate.data.stride(0),
         gate.data.stride(1), up.data.stride(0), up.data.stride(1),
         F=f, QG=kernel_qtype(gate), QU=kernel_qtype(up), H_GROUPS=h // 256, TOPK=k, G=up_groups,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm, CHAIN=cfg.chain,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.up_block_n, ASM=asm,
         num_warps=capped_warps(cfg.up_warps, runs_per_group(gate.qtype, up.qtype), up_groups),
         **pdl, **FP_EXACT,
     )  # fmt: skip
@@ -327,9 +280,9 @@ def moe_grouped(
     down_groups = min(cfg.down_groups, triton.next_power_of_2(f // 256))
     _down_grouped_kernel[(num_blocks, triton.cdiv(h, cfg.down_block_n))](
         ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
-        a, num_experts, h, num_blocks, down.data.stride(0), down.data.stride(1),
+        a, num_experts, h, down.data.stride(0), down.data.stride(1),
         QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_block_n, ASM=asm, CHAIN=cfg.chain,
+        BLOCK_N=cfg.down_block_n, ASM=asm,
         num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype), down_groups), **pdl,
         **FP_EXACT,
     )  # fmt: skip

@@ -103,3 +103,21 @@ def test_torch_fallback_outside_the_limits(monkeypatch):
     monkeypatch.setattr(moe_align, "_align_kernel", called)  # indexing a list would fail
     assert_same(ids, 8, 4)
     assert called == []
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 4, 16])
+def test_block_bound_is_reached_and_holds(poisoned, block_m):
+    """`max_blocks` where it is tight: every expert holding one more assignment than a multiple
+    of block_m (8 experts), and A < E distinct experts of one assignment each. Every block is
+    a real one, and every assignment has its row."""
+    g = torch.Generator().manual_seed(block_m)
+    many = torch.arange(8).repeat_interleave(block_m + 1)
+    few = torch.randperm(128, generator=g)[:5]
+    for flat, num_experts, blocks in ((many, 8, 16), (few, 128, 5)):
+        ids = flat[torch.randperm(flat.numel(), generator=g)].reshape(-1, 1).to(DEVICE)
+        a = ids.numel()
+        assert moe_align.max_blocks(a, num_experts, block_m) == blocks
+        assert_same(ids, num_experts, block_m)
+        sorted_ids, block_expert = align_blocks(ids, num_experts, block_m)
+        assert bool((block_expert < num_experts).all())  # no spare block: the bound is tight
+        assert sorted(v for v in sorted_ids.tolist() if v < a) == list(range(a))
