@@ -1506,6 +1506,24 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s34c)  # after s34b (the block bound: 16 / 32 requests 1,578.8 / 2,362.7 -> 1,747.8 / 2,523.6):
+    # mmq's K split down to one group a program (SPLIT_MIN_GROUPS 4 -> 1; s34b's sweep: v 21.7
+    # -> 13.6 us, o 16.1 -> 15.0, q+k+v 19.4 -> 18.0 at M = 16). GPU tests of mmq and the grouped
+    # MoE; the 30B at 16 and 32 requests with the old split, then at 1-32 with the new (issue #5's
+    # curve); the paged 10% at 8 requests, temperature 1 (issue #7: 67.1 aggregate last session,
+    # llama.cpp -ncmoe 48 57.6 in s34a). Predictions: the new split +2-4% at 16 and 32 requests;
+    # paged 10% x 8 within 5% of 67.1 or above
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 150 python3 -m pytest tests/kernels/test_mmq.py tests/kernels/test_moe_grouped.py \
+      -q -p no:cacheprovider --tb=short -x > "$out/gputests.txt" 2>&1; tail -3 "$out/gputests.txt"
+    wait
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode split old "import moestream.kernels.mmq as m; \
+m.SPLIT_MIN_GROUPS = 4; " 100
+    AB_CONC=1,2,4,8,16,32 AB_TOKENS=32 ab_decode split new "" 170
+    bench_run paged10_c8 130 /tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 \
+      --decode-depths 0 --decode-tokens 32 --repeats 2 --temperature 1.0 --concurrency 8 \
+      --concurrency-prompt 32 --gpu-expert-cache-gib 1.76 --host-expert-cache-gib 24
+    ;;
   s34b)  # issue #5's batched decode (s34a's profile at 16 requests: the grouped MoE's down
     # kernel 61.8 us a layer for ~90 MB, 1.4 TB/s; its gate/up 53.6; the align 12.3; the dense
     # projections' mmq ~13 us a launch on 32-160 programs): the grouped kernels' GPU tests

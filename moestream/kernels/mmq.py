@@ -315,9 +315,12 @@ def warps_for(block_m: int) -> int:
 
 
 # K is split (in two, again and again) while a launch's programs fill under SPLIT_WAVES waves of
-# the SMs and each split keeps at least SPLIT_MIN_GROUPS groups of 256.
+# the SMs and each split keeps at least SPLIT_MIN_GROUPS groups of 256. H200, the 30B's
+# projections at M = 16 (`python bench/mmq_gpu.py --split`, 2026-12-02): v (Q6_K, N=512, K=2048)
+# 21.7 us at the old rule's split 2 against 13.6 at 8, o (N=2048, K=4096) 16.1 at 4 against
+# 15.0 at 16, q+k+v (N=5120) 19.4 at 2 against 18.0 at 4: splits down to one group pay.
 SPLIT_WAVES = 2
-SPLIT_MIN_GROUPS = 4
+SPLIT_MIN_GROUPS = 1
 
 
 def mmq_config(m: int, n: int, k: int, sms: int) -> MmqConfig:

@@ -55,7 +55,7 @@ def test_mmq_split_k_close_to_float_and_batch_invariant(qtype: GGMLQuantizationT
 
 def test_mmq_config_and_bad_input() -> None:
     cfg = mmq_config(8, 4096, 2048, sms=132)
-    assert cfg.block_m == 16 and cfg.split_k == 2  # 64 column blocks: under two waves
+    assert cfg.block_m == 16 and cfg.split_k == 8  # 64 column blocks: 512 programs of a group
     assert mmq_config(64, 4096, 2048, sms=132).split_k == cfg.split_k  # independent of M
     assert mmq_config(64, 151936, 2048, sms=132) == MmqConfig(64, 64, 1, 8, 3)  # many blocks
     w = quantized(T.Q4_K, (64, 256), seed=0)
