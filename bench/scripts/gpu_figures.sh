@@ -1506,6 +1506,15 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s34d)  # the session's last kernel code on the GPU, to completion: the grouped MoE and its
+    # alignment (s34b and s34c cut them at 120-150 s, 11 passing), then the paged experts' GPU
+    # tests (whose stage takes the grouped path); each file's output kept as it runs
+    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py tests/kernels/test_moe_align.py \
+      -q -p no:cacheprovider --tb=short -rA > "$out/gputests_grouped.txt" 2>&1
+    tail -3 "$out/gputests_grouped.txt"
+    timeout 100 python3 -m pytest tests/experts/test_paged.py -q -p no:cacheprovider --tb=short \
+      -k gpu > "$out/gputests_paged.txt" 2>&1; tail -3 "$out/gputests_paged.txt"
+    ;;
   s34c)  # after s34b (the block bound: 16 / 32 requests 1,578.8 / 2,362.7 -> 1,747.8 / 2,523.6):
     # mmq's K split down to one group a program (SPLIT_MIN_GROUPS 4 -> 1; s34b's sweep: v 21.7
     # -> 13.6 us, o 16.1 -> 15.0, q+k+v 19.4 -> 18.0 at M = 16). GPU tests of mmq and the grouped
