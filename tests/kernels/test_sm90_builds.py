@@ -141,7 +141,7 @@ def grouped_float_ops(block_n: int, num_warps: int) -> Counter:
     """The float multiply-adds (`fma.rn.f32`) per source line of mmvq_once.py in the sm_90 PTX
     of moe_grouped's gate/up kernel (Q4_K, the Qwen3-30B-A3B shapes, 2 assignments a block)."""
     constexprs = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=block_n,
-                      ASM=True, PDL=False, CHAIN=1)  # fmt: skip
+                      ASM=True, PDL=False)  # fmt: skip
     ptx = sm90_ptx("moe_grouped", "_gate_up_grouped_kernel", constexprs, num_warps,
                    GROUPED_POINTERS, GROUPED_ALIGNED)  # fmt: skip
     ops, line = Counter(), None
@@ -182,8 +182,8 @@ def test_q4_k_min_term_rounds_once_in_every_layout():
 ONCE = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_N=4, ADDR=False, ASM=True)
 ONCE.update(PDL=True, HOST=False)
 GROUPED_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=8, ASM=True)
-GROUPED_UP.update(PDL=True, CHAIN=1)
-GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True, CHAIN=1)
+GROUPED_UP.update(PDL=True)
+GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True)
 GROUPED_DOWN_POINTERS = {**GROUPED_POINTERS, "hq_ptr": "*i32", "hd_ptr": "*fp32",
                          "hs_ptr": "*fp32", "d_ptr": "*u8", "weights_ptr": "*fp32",
                          "y_ptr": "*fp32"}  # fmt: skip
