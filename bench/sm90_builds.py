@@ -22,7 +22,10 @@ what does not fit, and may use up to the cap where it uses fewer without one.
 `--decode`: the "mmvq" path's down kernel (`moe_mmvq._down_mmvq_kernel`, padded Q6_K, 4 rows;
 BM = its expert split) and the grouped path's gate/up (`moe_grouped._gate_up_grouped_kernel`,
 Q4_K; BM = assignments a block) over warps and rows, as `bench/scripts/gpu_figures.sh` s11a
-and s11c compare them on the GPU.
+and s11c compare them on the GPU; and the grouped path's down (`_down_grouped_kernel`, padded
+Q6_K and Q4_K, 2 assignments a block; its "stages" column holds the groups of 256 a step, 4:
+F = 768's three at once, one masked; 1: one at a time), as `bench/kernels_gpu.py
+--sweep-moe-down` times them.
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ DECODE_POINTERS = {
     "weights_ptr": "*fp32", "slot_ptr": "*i32", "d_ptr": "*u8", "out_ptr": "*bf16",
     "addr_ptr": "*i64", "part_ptr": "*fp32", "count_ptr": "*i32", "xq_ptr": "*i32",
     "xd_ptr": "*fp32", "xs_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
-    "g_ptr": "*u8", "u_ptr": "*u8", "h_ptr": "*fp32",
+    "g_ptr": "*u8", "u_ptr": "*u8", "h_ptr": "*fp32", "y_ptr": "*fp32", "each_ptr": "*fp32",
 }  # fmt: skip
 DECODE_ALIGNED = {"H", "stride_de", "stride_dn", "stride_ot", "stride_xq", "stride_ge",
                   "stride_gn", "stride_ue", "stride_un"}  # fmt: skip
@@ -184,7 +187,15 @@ def decode_variants() -> list[Variant]:
     down = [Variant("mmvq_down", Q6_K, s, 4, w, 1, None) for s in (1, 2, 4) for w in (4, 2, 1)]
     up = [Variant("grouped_gate_up", Q4_K, m, n, w, 1, None)
           for m in (2, 4) for n in (8, 4) for w in (2, 1)]  # fmt: skip
-    return down + up
+    # the grouped down (num_stages: its groups a step, 4 = F's three at once, one masked)
+    grouped_down = [
+        Variant("grouped_down", q, 2, n, w, g, None)
+        for q in (Q6_K, Q4_K)
+        for n in (8, 16)
+        for w in (1, 2)
+        for g in (4, 1)
+    ]
+    return down + up + grouped_down
 
 
 def build_decode(v: Variant) -> Build:
@@ -192,16 +203,24 @@ def build_decode(v: Variant) -> Build:
     from moestream.kernels import moe_grouped, moe_mmvq
     from moestream.kernels._triton_dequant import Q6_KP
 
-    if v.kernel == "mmvq_down":
+    q6_kp = int(Q6_KP.value)  # the padded Q6_K's kernel type, as a plain int constexpr
+
+    if v.kernel == "grouped_down":
+        kernel = moe_grouped._down_grouped_kernel
+        qd = q6_kp if v.qtype == Q6_K else v.qtype
+        constexprs = dict(QD=qd, F=F, G=v.num_stages, BLOCK_M=v.block_m, BLOCK_N=v.block_n,
+                          ASM=True, PDL=False)  # fmt: skip
+    elif v.kernel == "mmvq_down":
         kernel = moe_mmvq._down_mmvq_kernel
-        constexprs = dict(QD=Q6_KP, F=F, TOPK=TOPK, BLOCK_N=v.block_n, G=4,
+        constexprs = dict(QD=q6_kp, F=F, TOPK=TOPK, BLOCK_N=v.block_n, G=4,
                           CHUNK=TOPK // v.block_m, SPLIT=v.block_m, TREE=False, ROWS=True,
-                          ADDR=False, ASM=True, PDL=False)  # fmt: skip
+                          ADDR=False, ASM=True, PDL=False, HOST=False,
+                          EACH=False)  # fmt: skip
     else:
         kernel = moe_grouped._gate_up_grouped_kernel
         constexprs = dict(F=F, QG=v.qtype, QU=v.qtype, H_GROUPS=H_GROUPS, TOPK=TOPK, G=8,
-                          BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True, PDL=False,
-                          CHAIN=1)  # fmt: skip
+                          BLOCK_M=v.block_m, BLOCK_N=v.block_n, ASM=True,
+                          PDL=False)  # fmt: skip
     options = {"num_warps": v.num_warps}
     compiled, log = compile_sm90(kernel, constexprs, DECODE_POINTERS, DECODE_ALIGNED, options)
     regs, stores, loads = _ptxas_report(log)
