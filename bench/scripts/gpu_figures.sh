@@ -1506,6 +1506,49 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
+  s35a)  # next session, issue #5 (16 requests at 1.95x): the alignment's tile in one pass over
+    # 128 assignments (_TILE 16384, 16 warps: 128 registers, no spill in the sm_90 build) against
+    # two (8192, 8 warps; 12.3 us a layer at 16 requests in s34a's profile): `--time-align` both
+    # ways, then the 30B at 16 and 32 requests both ways; then Nsight Compute on the grouped
+    # MoE's down kernel at T = 16 (~58 us a layer at ~1.5 TB/s; its sm_90 build: 96 registers,
+    # 20 blocks an SM, 32 two-byte loads a thread for padded Q6_K: python bench/sm90_builds.py
+    # --decode). Prediction: the one-pass tile 12.3 -> 7-9 us, 16 requests +1-3%
+    tile="import moestream.kernels.moe_align as a; a._TILE = 16384; a.ALIGN_WARPS = 16; "
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 60 python3 bench/kernels_gpu.py --time-align 2>&1 | tee "$out/align_8192.txt" | tail -22
+    timeout 60 python3 -c "${tile}import runpy, sys; sys.argv = ['kernels_gpu.py', \
+'--time-align']; runpy.run_path('bench/kernels_gpu.py', run_name='__main__')" 2>&1 \
+      | tee "$out/align_16384.txt" | tail -22
+    wait
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode align two "" 100
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode align one "$tile" 100
+    timeout 200 ncu --kernel-name regex:'_down_grouped_kernel|_gate_up_grouped_kernel' \
+      --launch-skip 4 --launch-count 2 --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section SchedulerStats python3 bench/kernels_gpu.py --sweep-moe-down \
+      > "$out/ncu_grouped.txt" 2>&1
+    echo "[ncu rc=$?]"; grep -E "_kernel|Duration|DRAM Throughput|Achieved Occupancy|Registers \
+Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_grouped.txt" | head -50
+    ;;
+  s35b)  # next session, issue #7 (25% sampled at 0.46x of resident): the pager pairing up to 8
+    # admissions one at a time (commit ea39d12, reverted untimed; as a patch on the kernel as it
+    # stands: `git diff HEAD ea39d12 -- moestream/kernels/expert_pager.py > .whl/pairing.patch`,
+    # carried with .whl; it passes the pager's CPU tests against `page_ref`): the pager's own
+    # cost (16-byte experts) and the 30B at 25% sampled, as it stands, then patched; then the
+    # rest on disk at 10%. Predictions: a 16-byte forward with 1 missing 16.3 -> 6-10 us; 25%
+    # sampled +3-8%; disk 10% 1-5 tok/s
+    synth qwen3-30b-a3b q30
+    p25=(/tmp/q30.gguf --device cuda --kv-cache-gib 4 --prompt-lens 32 --decode-depths 0
+      --decode-tokens 32 --repeats 2 --temperature 1.0 --gpu-expert-cache-gib 4.4
+      --host-expert-cache-gib 24)
+    timeout 90 python3 bench/paging.py --shapes 4x4 --pager-warps 8 2>&1 | tee "$out/paging_ranks.txt" | tail -12
+    bench_run p25_t1_ranks 100 "${p25[@]}"
+    patch -p1 < .whl/pairing.patch && echo "[patched]"
+    timeout 90 python3 bench/paging.py --shapes 4x4 --pager-warps 8 2>&1 | tee "$out/paging_pairs.txt" | tail -12
+    bench_run p25_t1_pairs 100 "${p25[@]}"
+    patch -R -p1 < .whl/pairing.patch && echo "[unpatched]"
+    disk 1.76 180 1
+    ;;
   s34d)  # the session's last kernel code on the GPU, to completion: the grouped MoE and its
     # alignment (s34b and s34c cut them at 120-150 s, 11 passing), then the paged experts' GPU
     # tests (whose stage takes the grouped path); each file's output kept as it runs

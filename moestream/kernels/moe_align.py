@@ -32,7 +32,8 @@ import triton.language as tl
 # 256 / 512 / 1024 against torch's 43 / 45 / 65 / 71 / 74 us, but 247 against 80 at A = 4096.
 ALIGN_MAX_ASSIGNMENTS = 1024
 ALIGN_MAX_EXPERTS = 512
-_TILE = 8192  # elements of a [rows, E_PAD] comparison tile: 32 int32 a thread at 8 warps
+_TILE = 8192  # elements of a [rows, E_PAD] comparison tile: 32 int32 a thread at ALIGN_WARPS 8
+ALIGN_WARPS = 8  # (a tile of 16,384 needs 16 warps not to spill: 128 registers in the sm_90 build)
 _FILL = 1024  # sentinel rows stored per step
 
 
@@ -157,6 +158,6 @@ def align_blocks(
         flat, flat if counts is None else counts, sorted_ids, block_expert,
         a, num_experts, block_m, num_blocks,
         E_PAD=e_pad, CHUNK=chunk, BLOCK_B=block_b, FILL=_FILL, HAS_COUNTS=counts is not None,
-        num_warps=8,
+        num_warps=ALIGN_WARPS,
     )  # fmt: skip
     return sorted_ids, block_expert
