@@ -6,7 +6,8 @@
 
 Runs a warm-up of each case first (kernel compilation, autotuning, CUDA graph capture), then
 profiles it with `torch.profiler` and prints the top kernels by self device time (CPU time on a
-CPU run), with call counts, and the wall time of the profiled call. On CUDA it also prints the
+CPU run), with call counts, and the wall time of the profiled call; on CUDA also where the GPU
+waited (before its first kernel, between kernels, after its last; the longest gaps), and the
 dequantizing kernel's launch shapes. `--prefix-reuse N:S` profiles the prefill of an N-token
 prompt whose first S tokens the prefix cache holds (after a cold N-token prompt and a warm-up
 with another tail): the warm time to first token of `moestream bench --prefix-reuse`.
@@ -53,7 +54,46 @@ def profiled(
         # the GPU waiting for the host
         busy = sum(e.self_device_time_total for e in averages if e.device_type.name == "CUDA")
         head += f", kernels {busy / 1e3:.1f} ms ({100 * busy / 1e3 / (wall * 1e3):.0f}% busy)"
+        events = prof.events()
+        kernels = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in events
+            if e.device_type.name == "CUDA"
+        ]
+        span = [e.time_range for e in events if e.device_type.name == "CPU"]
+        if span:
+            first, last = min(r.start for r in span), max(r.end for r in span)
+            head += "\n" + idle_gaps(kernels, first, last)
     return f"{head}\n{table}"
+
+
+def idle_gaps(
+    kernels: list[tuple[float, float, str]], start: float, end: float, top: int = 5
+) -> str:
+    """Where the GPU waited between `start` and `end` (us, the profile's clock), from its
+    kernels (start, end, name): before the first, in the gaps between them (overlapping
+    kernels merged), after the last; then the `top` longest gaps with the kernels on either
+    side. The host's share of a step: what a faster host or fewer syncs could win back."""
+    if not kernels:
+        return "GPU idle: no kernels"
+    spans = sorted(kernels)
+    merged: list[list] = []  # [start, end, first name, last name]
+    for k0, k1, name in spans:
+        if merged and k0 <= merged[-1][1]:
+            if k1 > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = k1, name
+        else:
+            merged.append([k0, k1, name, name])
+    gaps = [(b[0] - a[1], a[3], b[2]) for a, b in zip(merged, merged[1:])]
+    before, after = max(0.0, merged[0][0] - start), max(0.0, end - merged[-1][1])
+    between = sum(g for g, _, _ in gaps)
+    lines = [
+        f"GPU idle: {before / 1e3:.2f} ms before the first kernel, {between / 1e3:.2f} ms in"
+        f" {len(gaps)} gaps between kernels, {after / 1e3:.2f} ms after the last"
+    ]
+    for gap, left, right in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap:8.1f} us between {left[:50]} and {right[:50]}")
+    return "\n".join(lines)
 
 
 def host_profile(llm: LLM, n: int, prompt, device: str, rows: int) -> str:

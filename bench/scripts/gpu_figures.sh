@@ -1549,6 +1549,17 @@ Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_grouped.txt" | head -5
     patch -R -p1 < .whl/pairing.patch && echo "[unpatched]"
     disk 1.76 180 1
     ;;
+  s35c)  # next session, issue #5's prefix target (warm 32k step 5.8% of cold; ~10 ms of its
+    # 104 ms the GPU waits): where the GPU waits in the warm step (before its first kernel,
+    # between kernels, after its last: profile_steps.py's idle_gaps), then the bench's prefix
+    # figure. Prediction: most of the wait before the first kernel (the lookup's hashing,
+    # ~5 ms on a slow CPU) and after the last (the sampled token's read-back)
+    synth qwen3-30b-a3b q30
+    timeout 150 python3 bench/profile_steps.py /tmp/q30.gguf --kv-cache-gib 8 --prefill "" \
+      --batch 0 --rows 30 --prefix-reuse 32768:31744 > "$out/profile_prefix.txt" 2>&1
+    echo "[profile rc=$?]"; grep -v "^USDT\|^$" "$out/profile_prefix.txt" | head -24
+    prefix
+    ;;
   s34d)  # the session's last kernel code on the GPU, to completion: the grouped MoE and its
     # alignment (s34b and s34c cut them at 120-150 s, 11 passing), then the paged experts' GPU
     # tests (whose stage takes the grouped path); each file's output kept as it runs
