@@ -618,10 +618,10 @@ def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, down: bool = Fa
     assignments) over launch shapes (`MoeGroupedConfig`), against the mmvq and mmq paths'
     defaults, Qwen3-30B-A3B layer, Q4_K/Q6_K, at T = 16, 32, 64; `small`: at T = 4, 8, 12
     (where mmvq serves now) with 1-2 assignments a block, and the down kernel's shapes at
-    T = 16, 32 around the default; `down`: the default gate/up with the down kernel's rows (8,
-    16, 32), groups a step (1: F = 768's three groups one at a time; 4: at once, one masked)
-    and warps (1, 2, 4) at T = 16, 32. Prints every row, then the fastest shape per T and the
-    one with the least summed time."""
+    T = 16, 32 around the default; `down`: the default gate/up with the down kernel's tiles a
+    program (1: F = 768's three groups at once in a four-group step, one masked; 2-8: one group
+    a step across the tiles), rows a tile (8, 16) and warps (1, 2) at T = 16, 32. Prints every
+    row, then the fastest shape per T and the one with the least summed time."""
     from dataclasses import replace
 
     from moestream.kernels.moe_grouped import MoeGroupedConfig, grouped_config
@@ -645,10 +645,10 @@ def sweep_moe_grouped(gen, copy_gbs: float, small: bool = False, down: bool = Fa
         ts = (16, 32)
         base = grouped_config(16 * TOPK, E)
         configs = [base] + [
-            replace(base, down_block_n=n, down_groups=g, down_warps=w)
-            for n in (8, 16, 32)
-            for g in (1, 4)
-            for w in (1, 2, 4)
+            replace(base, down_block_n=n, down_warps=w, down_tiles=tiles)
+            for tiles in (1, 2, 4, 8)
+            for n in (8, 16)
+            for w in (1, 2)
         ]
     times: dict[MoeGroupedConfig, dict[int, float]] = {}
     for t in ts:
@@ -903,7 +903,7 @@ def main() -> int:
     parser.add_argument(
         "--sweep-moe-down",
         action="store_true",
-        help="the grouped path's down kernel: rows, groups a step and warps at T=16, 32",
+        help="the grouped path's down kernel: tiles, rows and warps at T=16, 32",
     )
     parser.add_argument(
         "--sweep-moe-host",

@@ -209,7 +209,7 @@ def build_decode(v: Variant) -> Build:
         kernel = moe_grouped._down_grouped_kernel
         qd = q6_kp if v.qtype == Q6_K else v.qtype
         constexprs = dict(QD=qd, F=F, G=v.num_stages, BLOCK_M=v.block_m, BLOCK_N=v.block_n,
-                          ASM=True, PDL=False)  # fmt: skip
+                          ASM=True, PDL=False, TILES=1)  # fmt: skip
     elif v.kernel == "mmvq_down":
         kernel = moe_mmvq._down_mmvq_kernel
         constexprs = dict(QD=q6_kp, F=F, TOPK=TOPK, BLOCK_N=v.block_n, G=4,

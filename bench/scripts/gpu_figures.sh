@@ -1522,6 +1522,16 @@ PY
     wait
     AB_CONC=16,32 AB_TOKENS=32 ab_decode align two "" 100
     AB_CONC=16,32 AB_TOKENS=32 ab_decode align one "$tile" 100
+    # the down kernel in tiles (down_tiles 4: 4 x 8 rows a program, one group a step across
+    # them, no masked group; sm_90 SASS 85 instructions a row against 144, 165 registers against
+    # 96): its tests, the sweep, then the 30B both ways. Prediction: the down kernel 58 ->
+    # 40-50 us at T = 16, 16 requests +3-8%
+    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
+      --tb=short -k "tiles or reference" > "$out/gputests_tiles.txt" 2>&1
+    tail -3 "$out/gputests_tiles.txt"
+    timeout 200 python3 bench/kernels_gpu.py --sweep-moe-down 2>&1 | tee "$out/sweep_down.txt" \
+      | tail -4
+    AB_CONC=16,32 cfg_ab moe_grouped tiles1= tiles4="down_tiles=4"
     timeout 200 ncu --kernel-name regex:'_down_grouped_kernel|_gate_up_grouped_kernel' \
       --launch-skip 4 --launch-count 2 --section SpeedOfLight --section LaunchStats \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \

@@ -35,10 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels._triton_dequant import kernel_qtype
+from moestream.kernels._triton_dequant import Q4_K, Q5_K, Q6_K, Q6_KP, Q8_0, kernel_qtype
 from moestream.kernels.exact import FP_EXACT, silu_rn
 from moestream.kernels.mmvq import (
     MMVQ_DENSE_QTYPES,
+    MMVQ_QTYPES,
     Q8Act,
     check_rows_aligned,
     quantize_q8,
@@ -57,7 +58,11 @@ class MoeGroupedConfig:
     """Launch shape: `block_m` assignments of one expert per block (1-16, a power of two);
     gate/up: `up_block_n` F rows per program, `up_groups` groups of 256 per K step,
     `up_warps`; down: `down_block_n` H rows, `down_groups`, `down_warps`. Warps are capped so
-    that each lane holds 4 words of a run (`mmvq_once.capped_warps`). (Programs taking chains of
+    that each lane holds 4 words of a run (`mmvq_once.capped_warps`). `down_tiles` > 1: a down
+    program takes that many tiles of `down_block_n` rows and walks F one group of 256 a step
+    across all of them (`_tiled_rows`; K-quants and Q8_0), where a step of `down_groups` groups
+    leaves lanes masked whenever F / 256 is not a power of two (the 30B's F = 768: three groups
+    in a four-group tile). (Programs taking chains of
     consecutive blocks of one expert, so that later blocks find its rows in the SM's caches,
     were tried and removed: 17% / 30% slower at 16 / 32 requests on the H200, fewer programs
     in flight; bench/RESULTS.md, twenty-second session.)"""
@@ -69,6 +74,7 @@ class MoeGroupedConfig:
     down_block_n: int = 8
     down_groups: int = 4
     down_warps: int = 1
+    down_tiles: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_m", "up_block_n", "up_groups", "down_block_n", "down_groups"):
@@ -77,7 +83,7 @@ class MoeGroupedConfig:
                 raise ValueError(f"MoeGroupedConfig.{name} must be a power of two <= 32, got {v}")
         if self.block_m > 16:
             raise ValueError(f"MoeGroupedConfig.block_m must be at most 16, got {self.block_m}")
-        for name in ("up_warps", "down_warps"):
+        for name in ("up_warps", "down_warps", "down_tiles"):
             if getattr(self, name) not in (1, 2, 4, 8):
                 raise ValueError(f"MoeGroupedConfig.{name} must be 1, 2, 4 or 8")
 
@@ -122,6 +128,32 @@ def _block_rows(parts, rows0, rows_last, stride_n, QTYPE: tl.constexpr, G: tl.co
         sb = i + r // SUB
         parts = _once_step(parts, rows0, rows_last, stride_n, sb, r, h, m, j, sb < GROUPS,
                            xq, xd, xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
+    return parts
+
+
+@triton.jit
+def _tiled_rows(parts, rows0, rows_last, stride_n, QTYPE: tl.constexpr, GROUPS: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr, xq, xd, xs,
+                ASM: tl.constexpr):  # fmt: skip
+    """parts [R, 2, MB, BN] (R = SUB * TILES: run r in tile r // SUB) plus TILES tiles of
+    BLOCK_N weight rows over GROUPS groups, one group a step for every tile (unrolled, so that
+    ptxas may issue later groups' loads early); rows0 / rows_last [R, 1, 1, 1]: each run's
+    tile's first row and the last row index it may read (as `_block_rows` takes them)."""
+    tl.static_assert(
+        (QTYPE == Q4_K) or (QTYPE == Q5_K) or (QTYPE == Q6_K) or (QTYPE == Q6_KP)  # noqa: SIM109
+        or (QTYPE == Q8_0),
+        "grouped down tiles: K-quants and Q8_0",
+    )  # fmt: skip
+    SUB: tl.constexpr = 8 if QTYPE == 8 else 4  # runs per group (Q8_0: 8 blocks)
+    R: tl.constexpr = SUB * TILES
+    r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
+    h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
+    m = tl.arange(0, BLOCK_M)[None, None, :, None]  # [1, 1, MB, 1]
+    j = tl.arange(0, 4)[None, None, None, :]  # [1, 1, 1, 4]
+    for g in tl.static_range(GROUPS):
+        sb = g + 0 * r  # every tile's runs at group g
+        parts = _once_step(parts, rows0, rows_last, stride_n, sb, r, h, m, j, sb >= 0, xq, xd,
+                           xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
     return parts
 
 
@@ -193,14 +225,15 @@ def _down_grouped_kernel(
     hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr, y_ptr,
     A, E, H, stride_de, stride_dn,
     QD: tl.constexpr, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, TILES: tl.constexpr = 1,
 ):  # fmt: skip
-    """Program (a block of BLOCK_M assignments of one expert, BLOCK_N rows of H): the down
-    projection of the assignments' quantized h, times their routing weights, into y [A, H]."""
+    """Program (a block of BLOCK_M assignments of one expert, TILES tiles of BLOCK_N rows of
+    H): the down projection of the assignments' quantized h, times their routing weights, into
+    y [A, H]."""
     pdl_start(PDL)
     _down_block(tl.program_id(0), hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr,
                 slot_ptr, d_ptr, weights_ptr, y_ptr, A, E, H, stride_de, stride_dn, QD, F, G,
-                BLOCK_M, BLOCK_N, ASM)  # fmt: skip
+                BLOCK_M, BLOCK_N, ASM, TILES)  # fmt: skip
 
 
 @triton.jit
@@ -208,25 +241,73 @@ def _down_block(
     pid_b, hq_ptr, hd_ptr, hs_ptr, sorted_ptr, block_expert_ptr, slot_ptr, d_ptr, weights_ptr,
     y_ptr, A, E, H, stride_de, stride_dn,
     QD: tl.constexpr, F: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, ASM: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    """Block pid_b of `_down_grouped_kernel`, this program's BLOCK_N rows of H."""
+    """Block pid_b of `_down_grouped_kernel`, this program's TILES * BLOCK_N rows of H."""
     slot, assign, valid = _block_assignments(
         pid_b, sorted_ptr, block_expert_ptr, slot_ptr, A, E, BLOCK_M
     )
     if slot >= 0:
         ac = tl.where(valid, assign, 0).to(tl.int64)  # [MB]
         a4 = ac[None, None, :, None]  # [1, 1, MB, 1]
-        n0 = tl.program_id(1) * BLOCK_N
-        RD: tl.constexpr = (8 if QD == 8 else 4) * G
-        parts = _block_rows(tl.zeros([RD, 2, BLOCK_M, BLOCK_N], tl.float32),
-                            d_ptr + slot * stride_de + n0.to(tl.int64) * stride_dn, H - 1 - n0,
-                            stride_dn, QD, G, F // 256, BLOCK_N, BLOCK_M, hq_ptr + a4 * (F // 4),
-                            hd_ptr + a4 * (F // 32), hs_ptr + a4 * (F // 32), ASM)  # fmt: skip
-        y = tree_sum(tl.permute(parts, (2, 3, 0, 1)), BLOCK_M, BLOCK_N, 2 * RD)  # [MB, BN]
-        y = y * tl.load(weights_ptr + ac).to(tl.float32)[:, None]
-        n = n0 + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(y_ptr + ac[:, None] * H + n, y, mask=valid[:, None] & (n < H))
+        hq, hd, hs = hq_ptr + a4 * (F // 4), hd_ptr + a4 * (F // 32), hs_ptr + a4 * (F // 32)
+        weight = tl.load(weights_ptr + ac).to(tl.float32)  # [MB]
+        n0 = tl.program_id(1) * (TILES * BLOCK_N)
+        expert = d_ptr + slot * stride_de
+        if TILES == 1:
+            RD: tl.constexpr = (8 if QD == 8 else 4) * G
+            parts = _block_rows(tl.zeros([RD, 2, BLOCK_M, BLOCK_N], tl.float32),
+                                expert + n0.to(tl.int64) * stride_dn, H - 1 - n0, stride_dn, QD,
+                                G, F // 256, BLOCK_N, BLOCK_M, hq, hd, hs, ASM)  # fmt: skip
+            y = tree_sum(tl.permute(parts, (2, 3, 0, 1)), BLOCK_M, BLOCK_N, 2 * RD)  # [MB, BN]
+            n = n0 + tl.arange(0, BLOCK_N)[None, :]
+            tl.store(y_ptr + ac[:, None] * H + n, y * weight[:, None],
+                     mask=valid[:, None] & (n < H))  # fmt: skip
+        else:
+            SUB: tl.constexpr = 8 if QD == 8 else 4
+            RT: tl.constexpr = SUB * TILES
+            nt = n0 + tl.arange(0, RT)[:, None, None, None] // SUB * BLOCK_N  # [RT, 1, 1, 1]
+            parts = _tiled_rows(tl.zeros([RT, 2, BLOCK_M, BLOCK_N], tl.float32),
+                                expert + nt.to(tl.int64) * stride_dn, H - 1 - nt, stride_dn, QD,
+                                F // 256, BLOCK_N, BLOCK_M, TILES, hq, hd, hs, ASM)  # fmt: skip
+            # [TILES, SUB, 2, MB, BN] -> [TILES * MB, BN, SUB * 2]: each tile's runs summed
+            per = tl.permute(tl.reshape(parts, [TILES, SUB, 2, BLOCK_M, BLOCK_N]), (0, 3, 4, 1, 2))
+            y = tree_sum(tl.reshape(per, [TILES * BLOCK_M, BLOCK_N, 2 * SUB]),
+                         TILES * BLOCK_M, BLOCK_N, 2 * SUB)  # fmt: skip
+            y = tl.reshape(y, [TILES, BLOCK_M, BLOCK_N]) * weight[None, :, None]
+            t = tl.arange(0, TILES)[:, None, None]
+            n = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]  # [TILES, 1, BN]
+            tl.store(y_ptr + ac[None, :, None] * H + n, y,
+                     mask=valid[None, :, None] & (n < H))  # fmt: skip
+
+
+def grouped_down(
+    ha: Q8Act,
+    sorted_ids: torch.Tensor,
+    block_expert: torch.Tensor,
+    expert_slot: torch.Tensor,
+    down: QTensor,
+    topk_weights: torch.Tensor,
+    hidden: int,
+    cfg: MoeGroupedConfig,
+) -> torch.Tensor:
+    """The grouped path's down projection: y [A, H] float32, row a = topk_weights' a-th weight
+    times down(slot of its expert) @ h[a], h given as its q8 blocks `ha` [A, F]; the blocks as
+    `align_blocks` gives them."""
+    a, f = ha.rows, ha.k
+    y = torch.empty((a, hidden), dtype=torch.float32, device=ha.q.device)  # [A, H]
+    down_groups = min(cfg.down_groups, triton.next_power_of_2(f // 256))
+    tiles = cfg.down_tiles if down.qtype in MMVQ_QTYPES else 1  # `_tiled_rows`' types
+    _down_grouped_kernel[(block_expert.shape[0], triton.cdiv(hidden, tiles * cfg.down_block_n))](
+        ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
+        a, expert_slot.shape[0], hidden, down.data.stride(0), down.data.stride(1),
+        QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.down_block_n, ASM=use_asm(y.device), TILES=tiles,
+        num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype),
+                               down_groups if tiles == 1 else tiles),
+        **pdl_args(y.device), **FP_EXACT,
+    )  # fmt: skip
+    return y
 
 
 def moe_grouped(
@@ -276,15 +357,6 @@ def moe_grouped(
         **pdl, **FP_EXACT,
     )  # fmt: skip
     ha = quantize_q8(hidden)  # [A, F] -> q8 blocks
-    y = torch.empty((a, h), dtype=torch.float32, device=x.device)  # [A, H]
-    down_groups = min(cfg.down_groups, triton.next_power_of_2(f // 256))
-    _down_grouped_kernel[(num_blocks, triton.cdiv(h, cfg.down_block_n))](
-        ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
-        a, num_experts, h, down.data.stride(0), down.data.stride(1),
-        QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.down_block_n, ASM=asm,
-        num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype), down_groups), **pdl,
-        **FP_EXACT,
-    )  # fmt: skip
+    y = grouped_down(ha, sorted_ids, block_expert, expert_slot, down, topk_weights, h, cfg)
     out.copy_(y.view(t, k, h).sum(dim=1))  # [T, H], j in order
     return out

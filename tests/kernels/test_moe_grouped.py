@@ -180,3 +180,37 @@ def test_moe_grouped_bits_do_not_depend_on_gate_up_warps_or_rows(qtypes) -> None
         moe_grouped(x, ids, weights, gate, up, down, slot, out, cfg)
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
+def test_grouped_down_in_tiles_matches_reference(qtype) -> None:
+    """The down kernel with a program taking 1, 2 or 4 tiles of rows and walking F one group a
+    step across them (`down_tiles`), at F = 768 (three groups: the 30B's, where a step of four
+    groups leaves a quarter of its lanes masked): every assignment's row against the q8
+    reference, times its routing weight; tokens of one expert block and of two; a last tile
+    past H (H = 40 rows, tiles of 8)."""
+    from moestream.kernels.mmvq import mmvq_ref, quantize_q8_ref
+    from moestream.kernels.moe_align import align_blocks
+    from moestream.kernels.moe_grouped import grouped_down
+
+    h_rows, f = 40, 768
+    down = stacked(qtype, (S, h_rows, f), seed=31)
+    slot = torch.tensor(SLOT, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[3], [3], [0]], device=DEVICE)  # expert 3 twice (one block), 0 once
+    weights = torch.tensor([0.75, 0.5, 0.25], device=DEVICE)
+    hid = activations(3, f, torch.float32, seed=32)
+    ha = quantize_q8(hid)
+    want = torch.stack([
+        float(weights[a]) * mmvq_ref(
+            quantize_q8_ref(hid[a : a + 1].cpu()),
+            QTensor(down.data[SLOT[int(ids[a, 0])]].cpu(), qtype, (h_rows, f)),
+        )[0]
+        for a in range(3)
+    ])  # fmt: skip
+    sorted_ids, block_expert = align_blocks(ids, E, 2)
+    for tiles in (1, 2, 4):
+        cfg = MoeGroupedConfig(block_m=2, down_tiles=tiles)
+        y = grouped_down(ha, sorted_ids, block_expert, slot, down, weights, h_rows, cfg)
+        assert rel_err(y.cpu(), want) < 1e-5, tiles
+    with pytest.raises(ValueError, match="down_tiles"):
+        MoeGroupedConfig(down_tiles=3)

@@ -183,7 +183,7 @@ ONCE = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_N=4, ADDR=False,
 ONCE.update(PDL=True, HOST=False)
 GROUPED_UP = dict(F=768, QG=12, QU=12, H_GROUPS=8, TOPK=8, G=8, BLOCK_M=2, BLOCK_N=8, ASM=True)
 GROUPED_UP.update(PDL=True)
-GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True)
+GROUPED_DOWN = dict(QD=14, F=768, G=4, BLOCK_M=2, BLOCK_N=8, ASM=True, PDL=True, TILES=1)
 GROUPED_DOWN_POINTERS = {**GROUPED_POINTERS, "hq_ptr": "*i32", "hd_ptr": "*fp32",
                          "hs_ptr": "*fp32", "d_ptr": "*u8", "weights_ptr": "*fp32",
                          "y_ptr": "*fp32"}  # fmt: skip
@@ -201,6 +201,9 @@ EXACT_BUILDS = {
                         GROUPED_POINTERS, GROUPED_ALIGNED),
     "grouped down": ("moe_grouped", "_down_grouped_kernel", GROUPED_DOWN, 1,
                      GROUPED_DOWN_POINTERS, {"stride_de", "stride_dn"}),
+    "grouped down in tiles": ("moe_grouped", "_down_grouped_kernel",
+                              {**GROUPED_DOWN, "QD": 12, "TILES": 4}, 1, GROUPED_DOWN_POINTERS,
+                              {"stride_de", "stride_dn"}),
     "q8 rounding": ("mmvq", "_quantize_q8_kernel", dict(BLOCKS=8, PDL=True), 4, Q8_POINTERS,
                     {"stride_xm", "stride_qm", "stride_dm"}),
     # with experts computed by the host (`fused_moe_mmvq(host_rows=...)`): the reproducible down
