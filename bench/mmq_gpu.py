@@ -24,6 +24,11 @@ against its dequantize + grouped GEMM path at T = 64 .. 256: where the defaults 
 times `mmq` on Qwen3-30B-A3B's attention projections (q+k+v, q+k, v in Q6_K, o) at M = 8, 16
 and 24 with K split 1, 2, 4, 8 and 16 ways (the partial sums' reduction included), beside the
 split `mmq_config` picks: how many programs a batched decode step's dense matmuls need.
+
+    python bench/mmq_gpu.py --cached
+
+times `mmq` against cuBLAS on a bf16 copy of the weight (`--weight-cache-gib`) on the same
+projections at M = 2 .. 32: from how many rows the copies should serve (`ops.CACHED_MIN_M`).
 """
 
 from __future__ import annotations
@@ -226,6 +231,38 @@ def split_sweep(gen: torch.Generator, reps: int) -> None:
             )
 
 
+def cached_sweep(gen: torch.Generator, reps: int) -> None:
+    """`mmq` (default split, q8 rounding included) against cuBLAS on a bf16 copy of the weight
+    (what `--weight-cache-gib` keeps) on the 30B's attention projections at M = 2-32: from how
+    many rows the copies should be multiplied (`ops.CACHED_MIN_M`)."""
+    import torch.nn.functional as F
+
+    from moestream.kernels.mmq import mmq
+    from moestream.kernels.mmvq import quantize_q8
+
+    shapes = [(5120, 2048, T.Q4_K), (512, 2048, T.Q6_K), (2048, 4096, T.Q4_K)]
+    for n, k, qtype in shapes:
+        w = random_qtensor(qtype, (n, k), gen)
+        values = w.dequantize(torch.bfloat16)  # [N, K]
+        weights = [w] + [
+            QTensor(w.data.clone(), w.qtype, w.shape) for _ in range(copies_for(w.nbytes) - 1)
+        ]
+        copies = [values] + [values.clone() for _ in range(copies_for(values.nbytes) - 1)]
+        for m in (2, 4, 8, 16, 24, 32):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+            calls_q = [lambda w=w_, o=out, x=x: mmq(quantize_q8(x), w, out=o) for w_ in weights]
+            calls_c = [lambda v=v_, o=out, x=x: torch.matmul(x, v.t(), out=o) for v_ in copies]
+            us_q, us_c = graph_time_us(calls_q, reps), graph_time_us(calls_c, reps)
+            err = rel_err(F.linear(x.float(), values.float()), F.linear(x, values).float())
+            print(
+                f"cached {qtype.name} M={m:2d} N={n:5d} K={k}: mmq {us_q:6.1f} us | cuBLAS on "
+                f"the bf16 copy {us_c:6.1f} us ({values.nbytes / us_c / 1e3:5.0f} GB/s) | "
+                f"faster: {'copy' if us_c < us_q else 'mmq'} | bf16 err {err:.1e}",
+                flush=True,
+            )
+
+
 def switch(gen: torch.Generator, reps: int) -> None:
     """Where the default paths should switch (ops.DEQUANT_MIN_M, moe.MMQ_MAX_ASSIGNMENTS)."""
     shapes = [  # Qwen3-30B-A3B q/k/v and o; Qwen3-8B q/k/v, o, gate+up, down
@@ -250,6 +287,11 @@ def main() -> int:
     parser.add_argument(
         "--split", action="store_true", help="only time mmq's K splits on the 30B's projections"
     )
+    parser.add_argument(
+        "--cached",
+        action="store_true",
+        help="only time mmq against cuBLAS on bf16 weight copies (the 30B's projections)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device and triton", file=sys.stderr)
@@ -263,6 +305,9 @@ def main() -> int:
         return 0
     if args.split:
         split_sweep(gen, args.reps)
+        return 0
+    if args.cached:
+        cached_sweep(gen, args.reps)
         return 0
     ok = True
     for n, k in ((12288, 4096), (4096, 2048)):

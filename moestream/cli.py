@@ -97,7 +97,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="keep dequantized copies of up to N GiB of quantized weights so that matmuls skip "
-        "dequantizing them. CUDA: bf16 copies (resident experts first) for prefill and batched "
+        "dequantizing them. CUDA: bf16 copies (attention and dense weights first, then resident "
+        "experts) for prefill and batched "
         "decode (16+ tokens); batch-1 decode still reads the quantized weights (default 0: "
         "none). CPU: copies in the model's dtype for every matmul (default 4 GiB); 0: none",
     )

@@ -142,8 +142,9 @@ class LLM:
     (`PagedExperts.predict`, `StreamedMoE`); `expert_prediction=False` turns that off.
     `expert_direct_io` reads streamed experts from the file with O_DIRECT (past the page
     cache). `weight_cache_gib` keeps bf16 copies of that many GiB of quantized weights on a GPU
-    (`CausalLM.cache_weight_values`) so that prefill-size matmuls skip dequantizing them: memory
-    for prefill speed; decode and results are unchanged. On the CPU it keeps copies in the
+    (`CausalLM.cache_weight_values`) so that matmuls of many rows (prefill, batched decode from
+    `ops.CACHED_MIN_M` rows) skip dequantizing them; batch-1 decode is unchanged, and results
+    match the uncached paths to float rounding. On the CPU it keeps copies in the
     model's dtype for every matmul (None, the default: up to `CPU_WEIGHT_CACHE_GIB`; on a GPU
     None is 0); results keep their bits.
     """

@@ -1570,6 +1570,24 @@ Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_grouped.txt" | head -5
     echo "[profile rc=$?]"; grep -v "^USDT\|^$" "$out/profile_prefix.txt" | head -24
     prefix
     ;;
+  s35d)  # next session, issue #5: the dense projections at 16-32 rows (s34a: mmq ~13-18 us a
+    # launch, 2-3 a layer, ~0.33 TB/s): bf16 copies of every layer's attention weights (1.69
+    # GiB for the 30B; `--weight-cache-gib` now caches attention and dense weights before any
+    # expert) multiplied by cuBLAS from ops.CACHED_MIN_M rows: mmq against the copies per M
+    # (where CACHED_MIN_M should be), then the 30B at 16 and 32 requests without and with
+    # 1.75 GiB of copies. Prediction: copies faster from 8 rows; 16 / 32 requests +8-15% /
+    # +5-10%
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 120 python3 bench/mmq_gpu.py --cached 2>&1 | tee "$out/mmq_cached.txt"
+    wait
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode wcache none "" 100
+    timeout 100 python3 -c "import sys; from moestream.cli import main; sys.exit(main())" \
+      bench /tmp/q30.gguf --device cuda --kv-cache-gib 8 --prompt-lens 512 --decode-depths 0 \
+      --decode-tokens 32 --repeats 3 --concurrency 16,32 --concurrency-prompt 128 \
+      --weight-cache-gib 1.75 --out /tmp/r/ab_wcache > /tmp/r/ab.log 2>&1
+    echo "[wcache 1.75 rc=$?]"; grep "^| 0 \|^| 16 \|^| 32 " /tmp/r/ab.log
+    cp /tmp/r/ab_wcache/result.json "$out/ab_wcache_175.json" 2>/dev/null
+    ;;
   s34d)  # the session's last kernel code on the GPU, to completion: the grouped MoE and its
     # alignment (s34b and s34c cut them at 120-150 s, 11 passing), then the paged experts' GPU
     # tests (whose stage takes the grouped path); each file's output kept as it runs

@@ -243,32 +243,35 @@ class CausalLM:
         return self.cache_kernel_values(budget_bytes)
 
     def cache_kernel_values(self, budget_bytes: int) -> int:
-        """Keep bf16 (the model's dtype) copies of quantized weights for prefill-size matmuls,
-        layer by layer while `budget_bytes` lasts: resident expert stacks first (the MoE's
-        grouped GEMM then skips dequantizing them each step), then attention and dense FFN
-        weights. Only weights on the CUDA kernel path; the output head is left out (it sees one
-        row per request). Decode keeps reading the quantized weights. Returns the bytes used."""
+        """Keep bf16 (the model's dtype) copies of quantized weights for matmuls of many rows
+        (`ops.CACHED_MIN_M` and up: prefill chunks and batched decode), while `budget_bytes`
+        lasts: first every layer's attention and dense FFN weights (small, and read by every
+        such step), then the resident expert stacks layer by layer (the MoE's grouped GEMM then
+        skips dequantizing them each prefill step). Only weights on the CUDA kernel path; the
+        output head is left out (it sees one row per request). Steps of fewer rows keep reading
+        the quantized weights. Returns the bytes used."""
         if budget_bytes <= 0:
             return 0
         from moestream.kernels.dequant_mm import cache_values
         from moestream.kernels.ops import _use_kernels
         from moestream.layers.moe import StackedExperts
 
-        probe = torch.empty((1, 1), dtype=self.dtype, device=self.device)
-        used = 0
+        dense: list[QTensor] = []
+        stacks: list[QTensor] = []
         for layer in self.layers:
             ffn, attn = layer.ffn, layer.attn
-            weights: list[QTensor] = []
+            dense += attn.weights()
+            if isinstance(ffn, GatedMLP):
+                dense += [ffn.gate, ffn.up, ffn.down]
             experts = getattr(ffn, "experts", None)
             if isinstance(experts, StackedExperts):
-                weights += experts.stacked()
-            if isinstance(ffn, GatedMLP):
-                weights += [ffn.gate, ffn.up, ffn.down]
-            weights += attn.weights()
-            for w in weights:
-                size = math.prod(w.shape) * probe.element_size()
-                if w.values is None and _use_kernels(probe, w) and used + size <= budget_bytes:
-                    used += cache_values(w, self.dtype)
+                stacks += experts.stacked()
+        probe = torch.empty((1, 1), dtype=self.dtype, device=self.device)
+        used = 0
+        for w in dense + stacks:
+            size = math.prod(w.shape) * probe.element_size()
+            if w.values is None and _use_kernels(probe, w) and used + size <= budget_bytes:
+                used += cache_values(w, self.dtype)
         return used
 
     def _cache_cpu_values(self, budget_bytes: int) -> int:

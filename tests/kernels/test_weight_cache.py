@@ -19,20 +19,24 @@ from moestream.kernels import ops  # noqa: E402
 from moestream.llm import LLM  # noqa: E402
 
 
-def test_cache_weight_values_fills_layers_in_order_within_budget(monkeypatch):
+def test_cache_weight_values_fills_dense_weights_then_experts_within_budget(monkeypatch):
+    """Every layer's attention weights first, then the expert stacks layer by layer, while the
+    budget lasts (float32 copies: the demo model's dtype on the CPU)."""
     model = LLM(DEMO_MODEL, device="cpu", weight_cache_gib=0).model
     assert model.cache_kernel_values(1 << 40) == 0  # CPU tensors: not on the kernel path
     kernel_weight = lambda w: w.qtype in ops.KERNEL_QTYPES and w.shape[-1] % ops.KERNEL_GROUP == 0  # noqa: E731
     monkeypatch.setattr(ops, "_use_kernels", lambda x, *ws: all(map(kernel_weight, ws)))
+    size = lambda ws: sum(math.prod(w.shape) * 4 for w in ws if kernel_weight(w))  # noqa: E731
+    dense = [w for layer in model.layers for w in layer.attn.weights()]
     first = model.layers[0].ffn.experts.stacked()
-    budget = sum(math.prod(w.shape) * 4 for w in first)  # layer 0's experts, float32
+    assert all(kernel_weight(w) for w in first)
+    budget = size(dense) + size(first)  # every attention weight and layer 0's experts
     used = model.cache_kernel_values(budget)
     assert used == budget
-    for w in first:
+    for w in [w for w in dense if kernel_weight(w)] + list(first):
         assert w.values is not None and w.values.dtype == torch.float32
         torch.testing.assert_close(w.values, w.dequantize(torch.float32), rtol=0, atol=0)
     assert all(w.values is None for w in model.layers[1].ffn.experts.stacked())
-    assert model.layers[0].attn.o_proj.weight.values is None  # did not fit after the experts
 
 
 def test_quant_matmul_uses_the_cached_copy_from_cached_min_m(monkeypatch):
