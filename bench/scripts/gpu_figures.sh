@@ -1506,13 +1506,25 @@ PY
     synth qwen3-30b-a3b q30
     AB_CONC=16,32 cfg_ab moe_grouped chain1= chain2="chain=2"
     ;;
-  s35a)  # next session, issue #5 (16 requests at 1.95x): the alignment's tile in one pass over
-    # 128 assignments (_TILE 16384, 16 warps: 128 registers, no spill in the sm_90 build) against
-    # two (8192, 8 warps; 12.3 us a layer at 16 requests in s34a's profile): `--time-align` both
-    # ways, then the 30B at 16 and 32 requests both ways; then Nsight Compute on the grouped
-    # MoE's down kernel at T = 16 (~58 us a layer at ~1.5 TB/s; its sm_90 build: 96 registers,
-    # 20 blocks an SM, 32 two-byte loads a thread for padded Q6_K: python bench/sm90_builds.py
-    # --decode). Prediction: the one-pass tile 12.3 -> 7-9 us, 16 requests +1-3%
+  s35a)  # next session, issue #5 (16 requests at 1.95x): the grouped MoE's down kernel in tiles
+    # (down_tiles 4: 4 x 8 rows a program, one group a step across them, no masked group; sm_90
+    # SASS 85 instructions a row against 144, 165 registers against 96): its GPU tests, the
+    # down sweep, then the 30B at 16 and 32 requests both ways. Prediction: the down kernel
+    # 58 -> 40-50 us at T = 16, 16 requests +3-8%
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
+      --tb=short -k "tiles or reference" > "$out/gputests_tiles.txt" 2>&1
+    tail -3 "$out/gputests_tiles.txt"
+    timeout 180 python3 bench/kernels_gpu.py --sweep-moe-down 2>&1 | tee "$out/sweep_down.txt" \
+      | tail -4
+    wait
+    AB_CONC=16,32 cfg_ab moe_grouped tiles1= tiles4="down_tiles=4"
+    ;;
+  s35e)  # next session, after s35a: the alignment's tile in one pass over 128 assignments
+    # (_TILE 16384, 16 warps: 128 registers, no spill in the sm_90 build) against two (8192, 8
+    # warps; 12.3 us a layer at 16 requests in s34a's profile): `--time-align` both ways, the
+    # 30B at 16 and 32 requests both ways; then Nsight Compute on the grouped kernels (the down
+    # sweep's first launches). Prediction: the one-pass tile 12.3 -> 7-9 us, 16 requests +1-3%
     tile="import moestream.kernels.moe_align as a; a._TILE = 16384; a.ALIGN_WARPS = 16; "
     (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
     timeout 60 python3 bench/kernels_gpu.py --time-align 2>&1 | tee "$out/align_8192.txt" | tail -22
@@ -1522,17 +1534,7 @@ PY
     wait
     AB_CONC=16,32 AB_TOKENS=32 ab_decode align two "" 100
     AB_CONC=16,32 AB_TOKENS=32 ab_decode align one "$tile" 100
-    # the down kernel in tiles (down_tiles 4: 4 x 8 rows a program, one group a step across
-    # them, no masked group; sm_90 SASS 85 instructions a row against 144, 165 registers against
-    # 96): its tests, the sweep, then the 30B both ways. Prediction: the down kernel 58 ->
-    # 40-50 us at T = 16, 16 requests +3-8%
-    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
-      --tb=short -k "tiles or reference" > "$out/gputests_tiles.txt" 2>&1
-    tail -3 "$out/gputests_tiles.txt"
-    timeout 200 python3 bench/kernels_gpu.py --sweep-moe-down 2>&1 | tee "$out/sweep_down.txt" \
-      | tail -4
-    AB_CONC=16,32 cfg_ab moe_grouped tiles1= tiles4="down_tiles=4"
-    timeout 200 ncu --kernel-name regex:'_down_grouped_kernel|_gate_up_grouped_kernel' \
+    timeout 150 ncu --kernel-name regex:'_down_grouped_kernel|_gate_up_grouped_kernel' \
       --launch-skip 4 --launch-count 2 --section SpeedOfLight --section LaunchStats \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       --section SchedulerStats python3 bench/kernels_gpu.py --sweep-moe-down \
