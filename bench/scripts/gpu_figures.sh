@@ -1512,8 +1512,9 @@ PY
     # down sweep, then the 30B at 16 and 32 requests both ways. Prediction: the down kernel
     # 58 -> 40-50 us at T = 16, 16 requests +3-8%
     (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
-    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py -q -p no:cacheprovider \
-      --tb=short -k "tiles or reference" > "$out/gputests_tiles.txt" 2>&1
+    timeout 150 python3 -m pytest tests/kernels/test_moe_grouped.py tests/kernels/test_padded_q6k.py \
+      -q -p no:cacheprovider --tb=short -k "tiles or rows_bits or padded_experts" \
+      > "$out/gputests_tiles.txt" 2>&1
     tail -3 "$out/gputests_tiles.txt"
     timeout 180 python3 bench/kernels_gpu.py --sweep-moe-down 2>&1 | tee "$out/sweep_down.txt" \
       | tail -4

@@ -104,6 +104,12 @@ def experts() -> tuple[QTensor, QTensor, QTensor]:
         ("mmvq", 2, MoeMmvqConfig()),  # the tile gate/up kernel, the "rows" down tile
         ("mmvq", 1, MoeMmvqConfig(down_rows=False)),  # the tile down
         ("grouped", 2, MoeGroupedConfig(block_m=2)),  # the "once" step (as the default gate/up)
+        pytest.param(
+            "grouped",
+            2,
+            MoeGroupedConfig(block_m=2, down_tiles=4),  # the down in row tiles
+            marks=pytest.mark.skipif(DEVICE == "cpu", reason="45 s more in the interpreter"),
+        ),
         ("mmq", 3, None),
         ("gemv", 2, None),
         ("gemm", 3, None),
