@@ -3,7 +3,6 @@ tok/s ceiling it implies."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -11,16 +10,14 @@ from pathlib import Path
 import pytest
 
 from moestream.cli import DEMO_MODEL
+from tests.bench.scripts import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def disk_read():
-    spec = importlib.util.spec_from_file_location("disk_read", ROOT / "bench/disk_read.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("disk_read")
 
 
 @pytest.mark.parametrize("buffered", [False, True])

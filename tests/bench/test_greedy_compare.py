@@ -3,23 +3,17 @@ against another model (the draft, same tokenizer) each divergence gets the refer
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
 from moestream.cli import DEMO_DRAFT, DEMO_MODEL
 from moestream.llm import LLM
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "greedy_gpu_vs_cpu.py"
+from tests.bench.scripts import load_bench_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("greedy_gpu_vs_cpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("greedy_gpu_vs_cpu")
 
 
 @pytest.fixture(scope="module")

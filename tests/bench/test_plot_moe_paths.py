@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.bench.scripts import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "bench" / "results" / "2026-11-30-h200-d"
@@ -13,12 +14,7 @@ LOGS = ROOT / "bench" / "results" / "2026-11-30-h200-d"
 
 @pytest.fixture(scope="module")
 def plot():
-    spec = importlib.util.spec_from_file_location(
-        "plot_moe_paths", ROOT / "bench/plot_moe_paths.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("plot_moe_paths")
 
 
 def test_reads_the_paths_and_the_floor(plot) -> None:

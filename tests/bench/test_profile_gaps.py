@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "profile_steps.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("profile_steps", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench.scripts import load_bench_script
 
 
 def test_idle_gaps_before_between_and_after_the_kernels() -> None:
-    idle_gaps = load_script().idle_gaps
+    idle_gaps = load_bench_script("profile_steps").idle_gaps
     kernels = [  # us: two overlapping kernels count as one busy span
         (1000.0, 1500.0, "attention"),
         (1400.0, 2000.0, "moe_down"),
