@@ -1591,6 +1591,20 @@ Per|Waves Per|Memory Throughput|Stall|Eligible" "$out/ncu_grouped.txt" | head -5
     echo "[wcache 1.75 rc=$?]"; grep "^| 0 \|^| 16 \|^| 32 " /tmp/r/ab.log
     cp /tmp/r/ab_wcache/result.json "$out/ab_wcache_175.json" 2>/dev/null
     ;;
+  s35f)  # next session, issue #5: mmq's split-K partials summed by the last program of each tile
+    # to arrive (mmq.FUSED_SPLIT_SUM) instead of two torch launches (~10 us a layer-step of the
+    # 30B at 16 requests): its GPU test, then the 30B at 16 and 32 requests off and on, in turn.
+    # Prediction: 16 / 32 requests +2-5%
+    (synth qwen3-30b-a3b q30 > /tmp/r/synth.out 2>&1) &
+    timeout 120 python3 -m pytest tests/kernels/test_mmq.py -q -p no:cacheprovider --tb=short \
+      > "$out/gputests_mmq.txt" 2>&1; tail -3 "$out/gputests_mmq.txt"
+    wait
+    fused="import moestream.kernels.mmq as m; m.FUSED_SPLIT_SUM = True; "
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode fused off1 "" 100
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode fused on1 "$fused" 100
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode fused off2 "" 100
+    AB_CONC=16,32 AB_TOKENS=32 ab_decode fused on2 "$fused" 100
+    ;;
   s34d)  # the session's last kernel code on the GPU, to completion: the grouped MoE and its
     # alignment (s34b and s34c cut them at 120-150 s, 11 passing), then the paged experts' GPU
     # tests (whose stage takes the grouped path); each file's output kept as it runs

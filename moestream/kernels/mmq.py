@@ -42,6 +42,7 @@ from moestream.kernels._triton_dequant import (
     reduce_split_k,
     split_k_target,
 )
+from moestream.kernels.arrival import arrival_counters, last_to_arrive
 from moestream.kernels.mmvq import MMVQ_QTYPES, Q8Act, i2f, q8_matmul_out, use_asm
 from moestream.weights.qtensor import QTensor
 
@@ -271,7 +272,12 @@ def mmq_tile(w_rows, x_rows, xd_rows, xs_rows, g_lo, GROUPS: tl.constexpr, QTYPE
 @triton.jit
 def _mmq_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_dm, stride_wn,
                 stride_os, stride_om, GROUPS_PER_SPLIT: tl.constexpr, QTYPE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+                final_ptr=None, stride_fm=0, count_ptr=None, FUSED_SUM: tl.constexpr = False,
+                SPLIT: tl.constexpr = 1):  # fmt: skip
+    """out (or, with a K split, its float32 partials [split, M, N]) = the tile's product; with
+    FUSED_SUM the last program of a tile's split to arrive adds the partials in split order
+    and stores the sum into final [M, N] (`FUSED_SPLIT_SUM`)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
@@ -281,8 +287,20 @@ def _mmq_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, out_ptr, M, N, stride_xm, stride_
         w_rows, xq_ptr + mc * stride_xm, xd_ptr + mc * stride_dm, xs_ptr + mc * stride_dm,
         pid_k * GROUPS_PER_SPLIT, GROUPS_PER_SPLIT, QTYPE, BLOCK_N, BLOCK_M, ASM,
     )  # [BN, BM]  # fmt: skip
+    ok = (m[None, :] < M) & (n[:, None] < N)
     dst = out_ptr + pid_k * stride_os + m[None, :] * stride_om + n[:, None]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=(m[None, :] < M) & (n[:, None] < N))
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if FUSED_SUM:
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if last_to_arrive(count_ptr + tile, SPLIT):
+            part = out_ptr + m[None, :] * stride_om + n[:, None]
+            total = tl.load(part, mask=ok, other=0.0, cache_modifier=".cg")
+            for k in tl.static_range(1, SPLIT):
+                total += tl.load(part + k * stride_os, mask=ok, other=0.0, cache_modifier=".cg")
+            fin = final_ptr + m[None, :] * stride_fm + n[:, None]
+            tl.store(
+                fin, total.to(final_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok
+            )
 
 
 class MmqConfig(NamedTuple):
@@ -312,6 +330,27 @@ def warps_for(block_m: int) -> int:
     arithmetic of 32 or 64 columns spilled registers in the sm_90 build (Q6_K at 32, Q4_K at
     64); with 8 it did not."""
     return 4 if block_m <= 16 else 8
+
+
+# With a K split, the last program of each tile to arrive adds the partials in split order and
+# stores the output (`arrival.last_to_arrive`), in place of two torch launches (the sum over
+# splits, the cast-copy): ~10 us a layer-step of the 30B at 16 requests by a profile's counts.
+# Off until timed on a GPU (bench/RESULTS.md, twenty-third session; `gpu_figures.sh s35f`).
+# Its counters are one buffer per device (`split_counters`): launches on one stream only.
+FUSED_SPLIT_SUM = False
+SPLIT_COUNTERS = 1 << 14  # tiles a fused launch may have (more: the unfused sum)
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor | None:
+    """The fused split sum's arrival counters on `device` (int32 zeros, left zero by every
+    launch), made on first use outside CUDA-graph capture; None while capturing before that."""
+    counters = _split_counters.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _split_counters[device] = arrival_counters(SPLIT_COUNTERS, device)
+    return counters
 
 
 # K is split (in two, again and again) while a launch's programs fill under SPLIT_WAVES waves of
@@ -381,11 +420,19 @@ def mmq(
         raise ValueError(f"{cfg} does not fit the {groups} groups of K={k}")
     dst, stride_os = split_k_target(out, cfg.split_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
+    counters = None
+    if FUSED_SPLIT_SUM and dst is not out and grid[0] * grid[1] <= SPLIT_COUNTERS:
+        counters = split_counters(out.device)
+    fused = {} if counters is None else {
+        "final_ptr": out, "stride_fm": out.stride(0), "count_ptr": counters, "FUSED_SUM": True,
+        "SPLIT": cfg.split_k,
+    }  # fmt: skip
     _mmq_kernel[grid](
         a.q.view(torch.int8), a.d, a.s, w.data, dst, m, n, 4 * a.q.stride(0), a.d.stride(0),
         w.data.stride(0), stride_os, dst.stride(-2), GROUPS_PER_SPLIT=groups // cfg.split_k,
         QTYPE=kernel_qtype(w), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ASM=use_asm(out.device),
-        **cfg.launch_options,
+        **fused, **cfg.launch_options,
     )  # fmt: skip
-    reduce_split_k(out, dst)
+    if counters is None:
+        reduce_split_k(out, dst)
     return out

@@ -53,6 +53,30 @@ def test_mmq_split_k_close_to_float_and_batch_invariant(qtype: GGMLQuantizationT
     assert torch.equal(one[0], y[5])
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_mmq_fused_split_sum_matches_the_two_launch_sum(monkeypatch, split: int) -> None:
+    """`FUSED_SPLIT_SUM`: the last program of each tile to arrive adds the K split's partials in
+    split order and stores the output, a bfloat16 [M, N] as the layers ask; equal to the torch
+    sum of the same partials to float32 rounding, a row's bits the same alone as among 17, and
+    the counters left at zero (two tiles of rows, one of columns past N)."""
+    import moestream.kernels.mmq as mmq_module
+
+    w = quantized(T.Q4_K, (80, 1024), seed=5)
+    x = activations(17, 1024, torch.float32, seed=6)
+    cfg = MmqConfig(block_m=16, block_n=64, split_k=split)
+    want = mmq(quantize_q8(x), w, config=cfg)  # float32 out: the two-launch sum
+    monkeypatch.setattr(mmq_module, "FUSED_SPLIT_SUM", True)
+    got = mmq(quantize_q8(x), w, config=cfg)
+    assert rel_err(got, want) < 1e-6
+    bf16 = mmq(quantize_q8(x), w, out_dtype=torch.bfloat16, config=cfg)
+    # within a bfloat16 step (the interpreter's cast truncates; the GPU's rounds to nearest)
+    torch.testing.assert_close(bf16.float(), got, rtol=2**-7, atol=0)
+    one = mmq(quantize_q8(x[5:6]), w, config=cfg)
+    assert torch.equal(one[0], got[5])
+    counters = mmq_module.split_counters(got.device)
+    assert counters is not None and not counters.any()
+
+
 def test_mmq_config_and_bad_input() -> None:
     cfg = mmq_config(8, 4096, 2048, sms=132)
     assert cfg.block_m == 16 and cfg.split_k == 8  # 64 column blocks: 512 programs of a group
