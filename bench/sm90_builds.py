@@ -19,13 +19,16 @@ allocated 256 per warp), 228 KiB shared memory with 1 KiB reserved per block, 32
 warps. "maxnreg" is Triton's launch option (`.maxnreg` in the PTX): ptxas spills
 what does not fit, and may use up to the cap where it uses fewer without one.
 
+The last column counts the build's SASS instructions (static, by the Triton wheel's nvdisasm)
+and, in brackets, warp instructions per output row of a program (rows x tiles, all its warps).
+
 `--decode`: the "mmvq" path's down kernel (`moe_mmvq._down_mmvq_kernel`, padded Q6_K, 4 rows;
 BM = its expert split) and the grouped path's gate/up (`moe_grouped._gate_up_grouped_kernel`,
 Q4_K; BM = assignments a block) over warps and rows, as `bench/scripts/gpu_figures.sh` s11a
 and s11c compare them on the GPU; and the grouped path's down (`_down_grouped_kernel`, padded
 Q6_K and Q4_K, 2 assignments a block; its "stages" column holds the groups of 256 a step, 4:
 F = 768's three at once, one masked; 1: one at a time), as `bench/kernels_gpu.py
---sweep-moe-down` times them.
+--sweep-moe-down` times them, in row tiles as well (`MoeGroupedConfig.down_tiles`).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class Variant(NamedTuple):
     num_warps: int
     num_stages: int
     maxnreg: int | None
+    tiles: int = 1  # the grouped down's row tiles a program (`MoeGroupedConfig.down_tiles`)
 
 
 class Build(NamedTuple):
@@ -85,6 +89,7 @@ class Build(NamedTuple):
     shared: int  # bytes of dynamic shared memory per block
     cp_async: Counter  # copies by bytes (4, 8, 16)
     loads: Counter  # ld.global by bytes per thread (1, 2, 4, 8, 16)
+    sass: int  # SASS instructions of a thread's (static) code, 0 where nvdisasm is missing
 
 
 def variants(quick: bool) -> list[Variant]:
@@ -120,6 +125,23 @@ def _load_widths(ptx: str) -> Counter:
         bits = int(re.fullmatch(r"[bsuf](\d+)", parts[-1]).group(1))
         widths[vec * bits // 8] += 1
     return widths
+
+
+def sass_count(compiled) -> int:
+    """Static SASS instructions of a build (the Triton wheel's nvdisasm; 0 without it)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.is_file():
+        return 0
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    return len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+\S", sass, flags=re.MULTILINE))
 
 
 def compile_sm90(kernel, constexprs: dict, pointers: dict, aligned: set, options: dict):
@@ -164,7 +186,8 @@ def build(v: Variant) -> Build:
     copies = Counter(int(size, 0) for size in CP_ASYNC_SIZE.findall(ptx))
     mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync"
     regs, stores, loads = _ptxas_report(log)
-    return Build(v, mma, regs, stores, loads, compiled.metadata.shared, copies, _load_widths(ptx))
+    return Build(v, mma, regs, stores, loads, compiled.metadata.shared, copies, _load_widths(ptx),
+                 sass_count(compiled))  # fmt: skip
 
 
 # The decode-sized MoE kernels (`--decode`): the "mmvq" path's down kernel (padded Q6_K, its
@@ -187,7 +210,8 @@ def decode_variants() -> list[Variant]:
     down = [Variant("mmvq_down", Q6_K, s, 4, w, 1, None) for s in (1, 2, 4) for w in (4, 2, 1)]
     up = [Variant("grouped_gate_up", Q4_K, m, n, w, 1, None)
           for m in (2, 4) for n in (8, 4) for w in (2, 1)]  # fmt: skip
-    # the grouped down (num_stages: its groups a step, 4 = F's three at once, one masked)
+    # the grouped down (num_stages: its groups a step, 4 = F's three at once, one masked; in row
+    # tiles, one group a step across them)
     grouped_down = [
         Variant("grouped_down", q, 2, n, w, g, None)
         for q in (Q6_K, Q4_K)
@@ -195,6 +219,8 @@ def decode_variants() -> list[Variant]:
         for w in (1, 2)
         for g in (4, 1)
     ]
+    grouped_down += [Variant("grouped_down", q, 2, 8, w, 1, None, t)
+                     for q in (Q6_K, Q4_K) for t in (2, 4) for w in (1, 2)]  # fmt: skip
     return down + up + grouped_down
 
 
@@ -209,7 +235,7 @@ def build_decode(v: Variant) -> Build:
         kernel = moe_grouped._down_grouped_kernel
         qd = q6_kp if v.qtype == Q6_K else v.qtype
         constexprs = dict(QD=qd, F=F, G=v.num_stages, BLOCK_M=v.block_m, BLOCK_N=v.block_n,
-                          ASM=True, PDL=False, TILES=1)  # fmt: skip
+                          ASM=True, PDL=False, TILES=v.tiles)  # fmt: skip
     elif v.kernel == "mmvq_down":
         kernel = moe_mmvq._down_mmvq_kernel
         constexprs = dict(QD=q6_kp, F=F, TOPK=TOPK, BLOCK_N=v.block_n, G=4,
@@ -226,7 +252,7 @@ def build_decode(v: Variant) -> Build:
     regs, stores, loads = _ptxas_report(log)
     ptx = compiled.asm["ptx"]
     return Build(v, "-", regs, stores, loads, compiled.metadata.shared, Counter(),
-                 _load_widths(ptx))  # fmt: skip
+                 _load_widths(ptx), sass_count(compiled))  # fmt: skip
 
 
 def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
@@ -245,7 +271,7 @@ def _try_build(v: Variant) -> Build | str:
 
 
 def row(v: Variant, b: Build | str) -> str:
-    kernel = f"{v.kernel} {QTYPE_NAMES[v.qtype]}"
+    kernel = f"{v.kernel} {QTYPE_NAMES[v.qtype]}" + (f", {v.tiles} tiles" if v.tiles > 1 else "")
     shape = (kernel, v.block_m, v.block_n, v.num_warps, v.num_stages, v.maxnreg or "-")
     if isinstance(b, str):
         cells = (*shape, f"FAILED {b}")
@@ -255,7 +281,9 @@ def row(v: Variant, b: Build | str) -> str:
         loads = "/".join(str(b.loads[n]) for n in (16, 8, 4, 2, 1))
         spills = f"{b.spill_stores}/{b.spill_loads}" if b.spill_stores or b.spill_loads else "0"
         occupancy = f"{100 * blocks * v.num_warps / SM90_WARPS:.1f}%"
-        cells = (*shape, b.mma, b.regs, spills, b.shared, copies, loads, blocks, occupancy)
+        rows = v.block_n * v.tiles
+        sass = f"{b.sass} ({b.sass * v.num_warps / rows:.0f})" if b.sass else "-"
+        cells = (*shape, b.mma, b.regs, spills, b.shared, copies, loads, blocks, occupancy, sass)
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
@@ -279,7 +307,7 @@ def main() -> int:
     print(f"`{command}`: triton {triton.__version__}, sm_90, {datetime.date.today()}\n")
     header = ("kernel", "BM", "BN", "warps", "stages", "maxnreg", "mma", "regs",
               "spill st/ld B", "smem B", "cp.async 16/8/4 B", "ld.global 16/8/4/2/1 B",
-              "blocks/SM", "occupancy")  # fmt: skip
+              "blocks/SM", "occupancy", "SASS (warp instr. a row)")  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for v, b in zip(todo, builds, strict=True):

@@ -60,7 +60,7 @@ class MoeGroupedConfig:
     `up_warps`; down: `down_block_n` H rows, `down_groups`, `down_warps`. Warps are capped so
     that each lane holds 4 words of a run (`mmvq_once.capped_warps`). `down_tiles` > 1: a down
     program takes that many tiles of `down_block_n` rows and walks F one group of 256 a step
-    across all of them (`_tiled_rows`; K-quants and Q8_0), where a step of `down_groups` groups
+    across all of them (`_block_rows`; K-quants and Q8_0), where a step of `down_groups` groups
     leaves lanes masked whenever F / 256 is not a power of two (the 30B's F = 768: three groups
     in a four-group tile). (Programs taking chains of
     consecutive blocks of one expert, so that later blocks find its rows in the SM's caches,
@@ -114,46 +114,29 @@ def grouped_config(assignments: int, num_experts: int) -> MoeGroupedConfig:
 @triton.jit
 def _block_rows(parts, rows0, rows_last, stride_n, QTYPE: tl.constexpr, G: tl.constexpr,
                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, xq, xd, xs,
-                ASM: tl.constexpr):  # fmt: skip
-    """parts [R, 2, MB, BN] plus BLOCK_N weight rows (row i at rows0 + min(i, rows_last) *
-    stride_n) over GROUPS groups, G per step (a runtime loop), against the activation rows
-    xq/xd/xs ([1, 1, MB, 1] pointers: int32 words, float32 block scales)."""
+                ASM: tl.constexpr, TILES: tl.constexpr = 1):  # fmt: skip
+    """parts [R, 2, MB, BN] (R = SUB * G * TILES) plus TILES tiles of BLOCK_N weight rows (row
+    i of run r's tile at rows0 + min(i, rows_last) * stride_n; rows0 and rows_last scalars, or
+    [R, 1, 1, 1] with TILES > 1) over GROUPS groups, G per step (unrolled, so that ptxas may
+    issue a later step's loads early), against the activation rows xq/xd/xs ([1, 1, MB, 1]
+    pointers: int32 words, float32 block scales). Run r is run r % SUB of group r % (SUB * G)
+    // SUB of the step, in tile r // (SUB * G)."""
+    if TILES > 1:
+        tl.static_assert(
+            (QTYPE == Q4_K) or (QTYPE == Q5_K) or (QTYPE == Q6_K) or (QTYPE == Q6_KP)  # noqa: SIM109
+            or (QTYPE == Q8_0),
+            "grouped rows in tiles: K-quants and Q8_0",
+        )  # fmt: skip
     SUB: tl.constexpr = 8 if QTYPE == 8 else 4  # runs per group (Q8_0: 8 blocks)
-    R: tl.constexpr = SUB * G
+    R: tl.constexpr = SUB * G * TILES
     r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
     h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
     m = tl.arange(0, BLOCK_M)[None, None, :, None]  # [1, 1, MB, 1]
     j = tl.arange(0, 4)[None, None, None, :]  # [1, 1, 1, 4]
-    for i in range(0, GROUPS, G):
-        sb = i + r // SUB
+    for i in tl.static_range(0, GROUPS, G):
+        sb = i + r % (SUB * G) // SUB
         parts = _once_step(parts, rows0, rows_last, stride_n, sb, r, h, m, j, sb < GROUPS,
                            xq, xd, xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
-    return parts
-
-
-@triton.jit
-def _tiled_rows(parts, rows0, rows_last, stride_n, QTYPE: tl.constexpr, GROUPS: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr, xq, xd, xs,
-                ASM: tl.constexpr):  # fmt: skip
-    """parts [R, 2, MB, BN] (R = SUB * TILES: run r in tile r // SUB) plus TILES tiles of
-    BLOCK_N weight rows over GROUPS groups, one group a step for every tile (unrolled, so that
-    ptxas may issue later groups' loads early); rows0 / rows_last [R, 1, 1, 1]: each run's
-    tile's first row and the last row index it may read (as `_block_rows` takes them)."""
-    tl.static_assert(
-        (QTYPE == Q4_K) or (QTYPE == Q5_K) or (QTYPE == Q6_K) or (QTYPE == Q6_KP)  # noqa: SIM109
-        or (QTYPE == Q8_0),
-        "grouped down tiles: K-quants and Q8_0",
-    )  # fmt: skip
-    SUB: tl.constexpr = 8 if QTYPE == 8 else 4  # runs per group (Q8_0: 8 blocks)
-    R: tl.constexpr = SUB * TILES
-    r = tl.arange(0, R)[:, None, None, None]  # [R, 1, 1, 1]
-    h = tl.arange(0, 2)[None, :, None, None]  # [1, 2, 1, 1]
-    m = tl.arange(0, BLOCK_M)[None, None, :, None]  # [1, 1, MB, 1]
-    j = tl.arange(0, 4)[None, None, None, :]  # [1, 1, 1, 4]
-    for g in tl.static_range(GROUPS):
-        sb = g + 0 * r  # every tile's runs at group g
-        parts = _once_step(parts, rows0, rows_last, stride_n, sb, r, h, m, j, sb >= 0, xq, xd,
-                           xs, QTYPE, BLOCK_N, ASM)  # fmt: skip
     return parts
 
 
@@ -254,31 +237,25 @@ def _down_block(
         weight = tl.load(weights_ptr + ac).to(tl.float32)  # [MB]
         n0 = tl.program_id(1) * (TILES * BLOCK_N)
         expert = d_ptr + slot * stride_de
+        SUB: tl.constexpr = 8 if QD == 8 else 4
+        RG: tl.constexpr = SUB * G  # runs of a tile's step
         if TILES == 1:
-            RD: tl.constexpr = (8 if QD == 8 else 4) * G
-            parts = _block_rows(tl.zeros([RD, 2, BLOCK_M, BLOCK_N], tl.float32),
-                                expert + n0.to(tl.int64) * stride_dn, H - 1 - n0, stride_dn, QD,
-                                G, F // 256, BLOCK_N, BLOCK_M, hq, hd, hs, ASM)  # fmt: skip
-            y = tree_sum(tl.permute(parts, (2, 3, 0, 1)), BLOCK_M, BLOCK_N, 2 * RD)  # [MB, BN]
-            n = n0 + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(y_ptr + ac[:, None] * H + n, y * weight[:, None],
-                     mask=valid[:, None] & (n < H))  # fmt: skip
-        else:
-            SUB: tl.constexpr = 8 if QD == 8 else 4
-            RT: tl.constexpr = SUB * TILES
-            nt = n0 + tl.arange(0, RT)[:, None, None, None] // SUB * BLOCK_N  # [RT, 1, 1, 1]
-            parts = _tiled_rows(tl.zeros([RT, 2, BLOCK_M, BLOCK_N], tl.float32),
-                                expert + nt.to(tl.int64) * stride_dn, H - 1 - nt, stride_dn, QD,
-                                F // 256, BLOCK_N, BLOCK_M, TILES, hq, hd, hs, ASM)  # fmt: skip
-            # [TILES, SUB, 2, MB, BN] -> [TILES * MB, BN, SUB * 2]: each tile's runs summed
-            per = tl.permute(tl.reshape(parts, [TILES, SUB, 2, BLOCK_M, BLOCK_N]), (0, 3, 4, 1, 2))
-            y = tree_sum(tl.reshape(per, [TILES * BLOCK_M, BLOCK_N, 2 * SUB]),
-                         TILES * BLOCK_M, BLOCK_N, 2 * SUB)  # fmt: skip
-            y = tl.reshape(y, [TILES, BLOCK_M, BLOCK_N]) * weight[None, :, None]
-            t = tl.arange(0, TILES)[:, None, None]
-            n = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]  # [TILES, 1, BN]
-            tl.store(y_ptr + ac[None, :, None] * H + n, y,
-                     mask=valid[None, :, None] & (n < H))  # fmt: skip
+            rows0 = expert + n0.to(tl.int64) * stride_dn
+            rows_last = H - 1 - n0
+        else:  # each run's tile's first row
+            nt = n0 + tl.arange(0, RG * TILES)[:, None, None, None] // RG * BLOCK_N
+            rows0 = expert + nt.to(tl.int64) * stride_dn
+            rows_last = H - 1 - nt
+        parts = _block_rows(tl.zeros([RG * TILES, 2, BLOCK_M, BLOCK_N], tl.float32), rows0,
+                            rows_last, stride_dn, QD, G, F // 256, BLOCK_N, BLOCK_M, hq, hd, hs,
+                            ASM, TILES)  # fmt: skip
+        # [TILES, RG, 2, MB, BN] -> [TILES * MB, BN, RG * 2]: each tile's runs summed
+        per = tl.permute(tl.reshape(parts, [TILES, RG, 2, BLOCK_M, BLOCK_N]), (0, 3, 4, 1, 2))
+        y = tree_sum(tl.reshape(per, [TILES * BLOCK_M, BLOCK_N, 2 * RG]),
+                     TILES * BLOCK_M, BLOCK_N, 2 * RG)  # fmt: skip
+        y = tl.reshape(y, [TILES, BLOCK_M, BLOCK_N]) * weight[None, :, None]
+        n = n0 + tl.arange(0, TILES)[:, None, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :]
+        tl.store(y_ptr + ac[None, :, None] * H + n, y, mask=valid[None, :, None] & (n < H))
 
 
 def grouped_down(
@@ -297,11 +274,11 @@ def grouped_down(
     a, f = ha.rows, ha.k
     y = torch.empty((a, hidden), dtype=torch.float32, device=ha.q.device)  # [A, H]
     down_groups = min(cfg.down_groups, triton.next_power_of_2(f // 256))
-    tiles = cfg.down_tiles if down.qtype in MMVQ_QTYPES else 1  # `_tiled_rows`' types
+    tiles = cfg.down_tiles if down.qtype in MMVQ_QTYPES else 1  # the types tiles take
     _down_grouped_kernel[(block_expert.shape[0], triton.cdiv(hidden, tiles * cfg.down_block_n))](
         ha.q, ha.d, ha.s, sorted_ids, block_expert, expert_slot, down.data, topk_weights, y,
         a, expert_slot.shape[0], hidden, down.data.stride(0), down.data.stride(1),
-        QD=kernel_qtype(down), F=f, G=down_groups, BLOCK_M=cfg.block_m,
+        QD=kernel_qtype(down), F=f, G=down_groups if tiles == 1 else 1, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.down_block_n, ASM=use_asm(y.device), TILES=tiles,
         num_warps=capped_warps(cfg.down_warps, runs_per_group(down.qtype),
                                down_groups if tiles == 1 else tiles),
